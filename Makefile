@@ -1,0 +1,37 @@
+# minirt: `make run` starts the runtime on a built-in tiny model, `make test` runs every check.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install run test lint typecheck pytest test-fast clean
+
+$(STAMP): pyproject.toml
+	@start=$$(date +%s); \
+	test -x $(PY) || python3 -m venv $(VENV); \
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"; \
+	$(PY) -m pip install -q -e ".[dev]" && touch $(STAMP) && \
+	echo "minirt: install took $$(( $$(date +%s) - start ))s"
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/minirt up
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy messages actors tokenizer_svc
+
+pytest: install
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+test-fast: install
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .minirt .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,138 @@
+"""Build small random-weight models in Hugging Face layout, with an in-process BPE tokenizer.
+
+Nothing is downloaded: the weights come from a fixed seed, the tokenizer is trained here on a
+generated corpus. The output loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` and with
+minirt's own loader, so tests exercise the real loading code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "bench")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to in and is was for on with as by at from that this it be are or not "
+    "model token cache block prefix request queue batch step decode prefill schedule actor "
+    "message socket process memory kernel tensor layer head attention value key query "
+    "river mountain cloud garden window coffee music paper light stone city road winter "
+    "happy quick slow bright quiet heavy small large early late green blue red golden "
+    "run walk read write build serve send wait stop start think learn move open close "
+    "hello world minirt runtime über café naïve 你好 世界 東京 数据 😀 🚀"
+).split()
+
+
+def _corpus(n_lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        n = rng.randint(4, 24)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 99999)))
+        lines.append(" ".join(words) + rng.choice([".", "!", "?", ",", ""]))
+    return lines
+
+
+def _sizes(size: str) -> dict[str, Any]:
+    if size == "tiny":
+        return dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=1024,
+            # Wider than HF's 0.02 default so random weights give varied, non-degenerate text.
+            initializer_range=0.2,
+        )
+    if size == "bench":
+        return dict(
+            vocab_size=32000,
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=1408,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+    raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+
+
+def build_tokenizer(out: Path, vocab_size: int, seed: int = 0):
+    """Train a byte-level BPE tokenizer in-process and save it (HF fast-tokenizer layout)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def make_model(
+    arch: str, size: str, out: str | Path, seed: int = 0, dtype: str = "float32"
+) -> Path:
+    """Write a random-weight ``arch`` model of ``size`` plus tokenizer into ``out``; return the path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if size == "bench" and arch != "qwen2":
+        raise ValueError("the bench size is defined for qwen2 only")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dims = _sizes(size)
+    tokenizer = build_tokenizer(out, vocab_size=min(dims["vocab_size"], 4096), seed=seed)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    extra: dict[str, Any] = dict(
+        bos_token_id=None, eos_token_id=eos, pad_token_id=eos, rms_norm_eps=1e-6, rope_theta=10000.0
+    )
+    if arch == "qwen3":
+        extra["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
+    if arch == "mistral":
+        extra["sliding_window"] = None
+    if arch in ("qwen2", "qwen3"):
+        extra["use_sliding_window"] = False
+    if size == "tiny":
+        dims["tie_word_embeddings"] = arch in ("qwen2", "qwen3")
+    config = AutoConfig.for_model(arch, **dims, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        eos_token_id=[eos, im_end], pad_token_id=eos, do_sample=False
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "minirt-model.json").write_text(json.dumps({"arch": arch, "size": size, "seed": seed}))
+    return out
