@@ -38,6 +38,25 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+_BENCH_MODES = {
+    "executor": "gpu.bench_executor",  # W1 through the executor alone vs transformers
+    "kv": "actors.kv.bench",  # KV manager admit/evict micro-benchmark
+}
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", choices=sorted(_BENCH_MODES), help="what to benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that mode (--help)")
+
+
+@command("bench", _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(_BENCH_MODES[args.mode])
+    return int(module.main(args.rest) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minirt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
