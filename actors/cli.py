@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
@@ -55,6 +56,225 @@ def _bench(args: argparse.Namespace) -> int:
 
     module = importlib.import_module(_BENCH_MODES[args.mode])
     return int(module.main(args.rest) or 0)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML (or JSON) config file")
+    p.add_argument("--model", help="model directory (HF layout); default: built-in tiny model")
+    p.add_argument("--run-dir", help="sockets, events and logs go here (default .minirt)")
+    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
+    p.add_argument(
+        "--kv-memory", type=float, help="KV pool: bytes if > 1, else fraction of free memory"
+    )
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--kv-mode", choices=["full", "on_demand"])
+    p.add_argument("--policy", help="admission policy (fcfs)")
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--max-waiting", type=int)
+    p.add_argument("--chunk-cap", type=int, help="max prefill tokens per request per step")
+    p.add_argument("--step-budget", type=int, help="max tokens per step")
+    p.add_argument("--device")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from actors import config
+
+    flat = {
+        "model": ("model",),
+        "run_dir": ("run_dir",),
+        "num_blocks": ("kv", "num_blocks"),
+        "kv_memory": ("kv", "kv_memory"),
+        "block_size": ("kv", "block_size"),
+        "kv_mode": ("kv", "mode"),
+        "policy": ("scheduler", "policy"),
+        "max_batch_size": ("scheduler", "max_batch_size"),
+        "max_waiting": ("scheduler", "max_waiting"),
+        "chunk_cap": ("executor", "chunk_cap"),
+        "step_budget": ("executor", "step_budget"),
+        "device": ("executor", "device"),
+        "dtype": ("executor", "dtype"),
+        "threads": ("executor", "threads"),
+    }
+    overrides: dict[str, Any] = {}
+    for arg, path in flat.items():
+        value = getattr(args, arg, None)
+        if value is None:
+            continue
+        d = overrides
+        for key in path[:-1]:
+            d = d.setdefault(key, {})
+        d[path[-1]] = value
+    return config.load(args.config, overrides)
+
+
+@command("up", _config_args)
+def _up(args: argparse.Namespace) -> int:
+    import trio
+
+    from actors.events import configure
+    from actors.supervisor import prepare, run_up
+
+    cfg = config_from_args(args)
+    path = prepare(cfg)
+    configure("supervisor", cfg.run_dir, stdout=False)
+    print(
+        f"minirt: model {cfg.model}, run dir {cfg.run_dir}, {cfg.kv.num_blocks} KV blocks",
+        file=sys.stderr,
+        flush=True,
+    )
+    trio.run(run_up, cfg, path)
+    return 0
+
+
+def _actor_args(p: argparse.ArgumentParser) -> None:
+    from actors.config import ACTORS
+
+    p.add_argument("name", choices=ACTORS)
+    _config_args(p)
+
+
+@command("actor", _actor_args)
+def _actor(args: argparse.Namespace) -> int:
+    from actors.runner import run_actor
+
+    return run_actor(args.name, config_from_args(args))
+
+
+def _endpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default=".minirt")
+    p.add_argument("--endpoint", help="client endpoint (default: ipc://RUN_DIR/sock/client)")
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.endpoint:
+        return str(args.endpoint)
+    from pathlib import Path
+
+    return f"ipc://{Path(args.run_dir).absolute() / 'sock' / 'client'}"
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    _endpoint_args(p)
+    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+@command("generate", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    from actors.client import RequestError, Result, SyncClient, _apply, build_generate
+    from messages import client as cm
+
+    if args.prompt is None and not args.prompt_ids:
+        print("minirt generate: give a PROMPT or --prompt-ids", file=sys.stderr)
+        return 2
+    req = build_generate(
+        prompt=None if args.chat or args.prompt_ids else args.prompt,
+        messages=[{"role": "user", "content": args.prompt}] if args.chat else None,
+        prompt_ids=[int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None,
+        stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    result = Result(req.request_id)
+    try:
+        with SyncClient(_endpoint(args), timeout_s=args.timeout) as client:
+            for msg in client.stream(req):
+                if isinstance(msg, cm.Delta) and not args.json:
+                    print(msg.text, end="", flush=True)
+                _apply(result, msg)
+    except (RequestError, TimeoutError, RuntimeError) as e:
+        print(f"\nminirt generate: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"\n[{result.finish_reason}] {result.usage}", file=sys.stderr)
+    return 0
+
+
+def _events_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", default=".minirt")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--request", help="only this request id")
+    p.add_argument("--event", help="only events with this name (prefix match: 'kv.' works)")
+    p.add_argument("--json", action="store_true", help="raw JSON lines")
+
+
+@command("events", _events_args)
+def _events(args: argparse.Namespace) -> int:
+    from actors.eventlog import show_events
+
+    return show_events(
+        args.run_dir, follow=args.follow, request=args.request, event=args.event, as_json=args.json
+    )
+
+
+def _trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("request_id")
+    p.add_argument("--run-dir", default=".minirt")
+
+
+@command("trace", _trace_args)
+def _trace(args: argparse.Namespace) -> int:
+    from actors.eventlog import trace
+
+    return trace(args.run_dir, args.request_id)
+
+
+def _ping_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "target",
+        help="actor name (tokenizer, scheduler, kv_manager, executor, client) or an endpoint",
+    )
+    p.add_argument("--run-dir", default=".minirt")
+    p.add_argument("--timeout", type=float, default=2.0)
+
+
+@command("ping", _ping_args)
+def _ping(args: argparse.Namespace) -> int:
+    import trio
+
+    from actors.config import Endpoints, RuntimeConfig
+    from actors.health import ping
+
+    target = args.target
+    if "://" not in target:
+        import os
+
+        env = os.environ.get(f"MINIRT_{target.upper()}_ENDPOINT")
+        if env:
+            target = env
+        else:
+            cfg = RuntimeConfig(run_dir=args.run_dir, endpoints=Endpoints()).resolve()
+            target = cfg.endpoints.of(target)
+    pong = trio.run(ping, target, args.timeout)
+    if pong is None:
+        print(f"no answer from {target}", file=sys.stderr)
+        return 1
+    print(f"{pong.actor} pid={pong.pid} boot={pong.boot_id}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,251 @@
+"""What every actor process shares: its inbox, connections to peers, handshake, health and errors.
+
+An actor binds one ROUTER inbox; it talks to a peer through a DEALER connected to the peer's
+inbox. The first message on each connection is ``Hello`` (protocol version); the receiver answers
+``HelloAck`` and refuses a mismatch. Frames are decoded with the actor's typed decoder; a bad
+frame gets an ``ErrorReply`` on the same connection and a ``protocol.error`` event, and the actor
+carries on. Handlers are synchronous (policy, no awaits); their sends are queued and flushed by
+the loop, so a handler never waits on a peer.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import deque
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+
+from actors.config import RuntimeConfig
+from actors.events import get_logger
+from actors.transport import ZSocket, open_socket
+from messages.codec import BadFrame, Decoder, encode
+from messages.common import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    HelloAck,
+    Ping,
+    Pong,
+)
+
+
+class Peer:
+    """A DEALER connection to another actor's inbox, with an outbox for when its queue is full."""
+
+    def __init__(self, name: str, sock: ZSocket) -> None:
+        self.name = name
+        self.sock = sock
+        self.pending: deque[bytes] = deque()
+        self.acked = trio.Event()
+        self.ack: HelloAck | None = None
+
+
+class Actor:
+    """Base class. Subclasses set ``name`` and ``inbound`` (their union), implement ``handle``."""
+
+    name = "actor"
+    inbound: Any = None
+    peers: tuple[str, ...] = ()
+
+    def __init__(self, cfg: RuntimeConfig) -> None:
+        self.cfg = cfg
+        self.log = get_logger()
+        self.boot_id = uuid.uuid4().hex[:12]
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.decoder: Decoder[Any] = Decoder(self.inbound)
+        self.inbox: ZSocket | None = None
+        self.out: dict[str, Peer] = {}
+        self._reply_decoder: Decoder[Any] = Decoder(HelloAck | Pong | ErrorReply)
+        self._flush_needed = trio.Event()
+
+    # ------------------------------------------------------------------ setup
+    def open(self) -> None:
+        """Bind the inbox and connect to peers (no waiting: zmq connects in the background)."""
+        self.inbox = open_socket(
+            self.ctx,
+            zmq.ROUTER,
+            bind=self.cfg.endpoints.of(self.name),
+            max_msg_size=self.cfg.max_msg_size,
+        )
+        for peer in self.peers:
+            sock = open_socket(
+                self.ctx,
+                zmq.DEALER,
+                connect=[self.cfg.endpoints.of(peer)],
+                max_msg_size=self.cfg.max_msg_size,
+            )
+            self.out[peer] = Peer(peer, sock)
+            sock.send_nowait(
+                [encode(Hello(actor=self.name, version=PROTOCOL_VERSION, pid=os.getpid()))]
+            )
+
+    def close(self) -> None:
+        for p in self.out.values():
+            p.sock.close()
+        if self.inbox is not None:
+            self.inbox.close()
+
+    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the actor until cancelled. Reports readiness once its inbox is bound."""
+        self.open()
+        self.log.info(
+            "actor.started",
+            pid=os.getpid(),
+            boot_id=self.boot_id,
+            endpoint=self.cfg.endpoints.of(self.name),
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                for peer in self.out.values():
+                    nursery.start_soon(self._read_peer, peer)
+                nursery.start_soon(self._flusher)
+                await self.start_tasks(nursery)
+                task_status.started()
+                await self.main_loop()
+        finally:
+            self.close()
+
+    async def start_tasks(self, nursery: trio.Nursery) -> None:
+        """Hook: start extra background tasks."""
+
+    async def main_loop(self) -> None:
+        """Default loop: wait for frames, handle each. The executor overrides this."""
+        assert self.inbox is not None
+        while True:
+            await self.inbox.wait_readable()
+            self.drain_inbox()
+            await trio.sleep(0)
+
+    # --------------------------------------------------------------- receive
+    def drain_inbox(self, limit: int = 100_000) -> int:
+        """Handle every frame waiting in the inbox, without waiting. Returns how many."""
+        assert self.inbox is not None
+        n = 0
+        while n < limit:
+            frames = self.inbox.recv_nowait()
+            if frames is None:
+                break
+            n += 1
+            self._dispatch(frames)
+        return n
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        if len(frames) != 2:
+            self.protocol_error(ident, f"expected 1 payload frame, got {len(frames) - 1}")
+            return
+        try:
+            msg = self.decoder.decode(frames[1])
+        except BadFrame as e:
+            self.protocol_error(ident, str(e), e.field)
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(ident, msg)
+        elif isinstance(msg, Ping):
+            self.reply(
+                ident, Pong(actor=self.name, nonce=msg.nonce, pid=os.getpid(), boot_id=self.boot_id)
+            )
+        else:
+            try:
+                self.handle(ident, msg)
+            except Exception as e:  # a handler bug must not kill the actor
+                self.log.exception(
+                    "actor.handler_error",
+                    message_type=type(msg).__name__,
+                    request_id=getattr(msg, "request_id", None),
+                )
+                self.reply(
+                    ident,
+                    ErrorReply(
+                        code=ErrorCode.INTERNAL,
+                        message=f"{type(e).__name__}: {e}",
+                        request_id=getattr(msg, "request_id", None),
+                    ),
+                )
+
+    def _on_hello(self, ident: bytes, msg: Hello) -> None:
+        if msg.version != PROTOCOL_VERSION:
+            reason = f"protocol version {msg.version} not supported; this {self.name} speaks {PROTOCOL_VERSION}"
+            self.log.error("protocol.error", peer=msg.actor, reason=reason, code=ErrorCode.VERSION)
+            self.reply(
+                ident, HelloAck(actor=self.name, version=PROTOCOL_VERSION, ok=False, reason=reason)
+            )
+            return
+        self.log.info("peer.hello", peer=msg.actor, peer_pid=msg.pid)
+        self.reply(ident, HelloAck(actor=self.name, version=PROTOCOL_VERSION))
+        self.on_peer_hello(msg)
+
+    def on_peer_hello(self, msg: Hello) -> None:
+        """Hook: a peer (re)connected."""
+
+    def handle(self, ident: bytes, msg: Any) -> None:
+        raise NotImplementedError
+
+    def protocol_error(self, ident: bytes, message: str, field: str | None = None) -> None:
+        self.log.warning("protocol.error", reason=message, field=field)
+        self.reply(ident, ErrorReply(code=ErrorCode.BAD_FRAME, message=message, field=field))
+
+    async def _read_peer(self, peer: Peer) -> None:
+        """Read what a peer sends back on our DEALER: hello acks, pongs, errors."""
+        while True:
+            frames = await peer.sock.recv()
+            try:
+                msg = self._reply_decoder.decode(frames[-1])
+            except BadFrame as e:
+                self.log.warning("protocol.error", peer=peer.name, reason=str(e))
+                continue
+            if isinstance(msg, HelloAck):
+                peer.ack = msg
+                peer.acked.set()
+                if not msg.ok:
+                    self.log.error(
+                        "protocol.error", peer=peer.name, reason=msg.reason, code=ErrorCode.VERSION
+                    )
+                    raise SystemExit(f"{peer.name} refused the handshake: {msg.reason}")
+                self.log.info("peer.ready", peer=peer.name)
+            elif isinstance(msg, ErrorReply):
+                self.log.warning(
+                    "peer.error",
+                    peer=peer.name,
+                    code=msg.code,
+                    reason=msg.message,
+                    request_id=msg.request_id,
+                )
+            else:
+                self.on_peer_reply(peer, msg)
+
+    def on_peer_reply(self, peer: Peer, msg: Any) -> None:
+        """Hook: a Pong from a peer."""
+
+    # ------------------------------------------------------------------ send
+    def send(self, peer: str, msg: msgspec.Struct) -> None:
+        """Queue ``msg`` for ``peer``; sent now when its queue has room, else by the flusher."""
+        p = self.out[peer]
+        data = encode(msg)
+        if p.pending or not p.sock.send_nowait([data]):
+            p.pending.append(data)
+            self._flush_needed.set()
+
+    def reply(self, ident: bytes, msg: msgspec.Struct) -> None:
+        """Answer the sender of a frame on the inbox connection (dropped if it is gone)."""
+        assert self.inbox is not None
+        try:
+            self.inbox.send_nowait([ident, encode(msg)])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer disconnected
+            self.log.info("reply.dropped", reason=str(e), message_type=type(msg).__name__)
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._flush_needed.wait()
+            self._flush_needed = trio.Event()
+            for p in self.out.values():
+                while p.pending:
+                    if p.sock.send_nowait([p.pending[0]]):
+                        p.pending.popleft()
+                    else:
+                        await trio.sleep(0.001)

@@ -1,0 +1,255 @@
+"""Python client for minirt (sync and trio async). The CLI uses it; so can you.
+
+async with open_client("ipc://.minirt/sock/client") as c:
+    result = await c.generate(prompt="hello", max_tokens=16)
+    async for delta in c.stream(prompt="hello"): ...
+
+with SyncClient(endpoint) as c:
+    for msg in c.stream(prompt="hello"): ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+
+from actors.transport import ZSocket, open_socket
+from messages import client as cm
+from messages.codec import Decoder, encode
+from messages.common import PROTOCOL_VERSION, ErrorReply, Hello, HelloAck, Pong, SamplingParams
+from messages.tokenizer import Cancel, ChatMessage, Generate
+
+
+class RequestError(RuntimeError):
+    """The server refused or failed a request. ``code`` and ``field`` say why."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        where = f" ({reply.field})" if reply.field else ""
+        super().__init__(f"{reply.code}{where}: {reply.message}")
+        self.code = str(reply.code)
+        self.field = reply.field
+        self.request_id = reply.request_id
+
+
+@dataclass
+class Result:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+    preemptions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def build_generate(
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    prompt_ids: list[int] | None = None,
+    stop: list[str] | None = None,
+    request_id: str | None = None,
+    **params: Any,
+) -> Generate:
+    """A ``Generate`` message; ``params`` are ``SamplingParams`` fields (max_tokens, temperature...)."""
+    return Generate(
+        prompt=prompt,
+        messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+        prompt_ids=prompt_ids,
+        params=SamplingParams(**params),
+        request_id=request_id or uuid.uuid4().hex,
+        stop=stop or [],
+    )
+
+
+def _apply(result: Result, msg: Any) -> bool:
+    """Fold one server message into ``result``; True when it ends the request."""
+    if isinstance(msg, cm.Delta):
+        result.text += msg.text
+        result.token_ids.extend(msg.token_ids)
+        if msg.logprobs:
+            result.logprobs.extend(msg.logprobs)
+        return False
+    if isinstance(msg, cm.Final):
+        result.finish_reason = msg.finish_reason
+        result.usage = msgspec.structs.asdict(msg.usage)
+        result.timings = msgspec.structs.asdict(msg.timings)
+        result.stop_reason = msg.stop_reason
+        result.preemptions = msg.preemptions
+        return True
+    if isinstance(msg, ErrorReply):
+        raise RequestError(msg)
+    return False
+
+
+class AsyncClient:
+    """One DEALER connection; many concurrent requests, demultiplexed by request id."""
+
+    def __init__(self, sock: ZSocket) -> None:
+        self.sock = sock
+        self._decoder: Decoder[Any] = Decoder(cm.ClientInbound)
+        self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
+        self._control: trio.MemorySendChannel[Any]
+        self._control_recv: trio.MemoryReceiveChannel[Any]
+        self._control, self._control_recv = trio.open_memory_channel(64)
+        self.welcome: cm.Welcome | None = None
+        self._nonce = itertools.count(1)
+
+    async def _reader(self) -> None:
+        while True:
+            frames = await self.sock.recv()
+            msg = self._decoder.decode(frames[-1])
+            rid = getattr(msg, "request_id", None)
+            if rid is not None and rid in self._streams:
+                chan = self._streams[rid]
+                await chan.send(msg)
+                if isinstance(msg, (cm.Final, ErrorReply)):
+                    self._streams.pop(rid, None)
+                    await chan.aclose()
+            elif (
+                isinstance(msg, (cm.Welcome, HelloAck))
+                or (isinstance(msg, Pong) and msg.nonce)
+                or (isinstance(msg, ErrorReply) and rid is None)
+            ):
+                await self._control.send(msg)
+            # unsolicited Pongs (liveness probes) and late messages are ignored
+
+    async def hello(self) -> cm.Welcome:
+        await self.sock.send(
+            [encode(Hello(actor="client", version=PROTOCOL_VERSION, pid=os.getpid()))]
+        )
+        msg = await self._control_recv.receive()
+        if isinstance(msg, ErrorReply):
+            raise RequestError(msg)
+        if not msg.ok:
+            raise RuntimeError(f"server refused the handshake: {msg.reason}")
+        self.welcome = msg
+        return msg  # type: ignore[no-any-return]
+
+    async def stream(self, request: Generate | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        """Yield the server's messages for one request (Accepted, Delta..., Final).
+        Raises ``RequestError`` on an error reply. Cancelling the iteration cancels the request."""
+        req = request or build_generate(**kwargs)
+        send, recv = trio.open_memory_channel[Any](1024)
+        self._streams[req.request_id] = send
+        done = False
+        try:
+            await self.sock.send([encode(req)])
+            async for msg in recv:
+                if isinstance(msg, ErrorReply):
+                    done = True
+                    raise RequestError(msg)
+                yield msg
+                if isinstance(msg, cm.Final):
+                    done = True
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not done:
+                with trio.CancelScope(shield=True):
+                    await self.cancel(req.request_id)
+
+    async def generate(self, request: Generate | None = None, **kwargs: Any) -> Result:
+        """Run one request to completion and return its ``Result``."""
+        req = request or build_generate(**kwargs)
+        result = Result(req.request_id)
+        async for msg in self.stream(req):
+            if _apply(result, msg):
+                break
+        return result
+
+    async def cancel(self, request_id: str) -> None:
+        await self.sock.send([encode(Cancel(request_id=request_id))])
+
+
+@asynccontextmanager
+async def open_client(endpoint: str, handshake: bool = True) -> AsyncIterator[AsyncClient]:
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = open_socket(ctx, zmq.DEALER, connect=[endpoint])
+    client = AsyncClient(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client._reader)
+            if handshake:
+                await client.hello()
+            yield client
+            nursery.cancel_scope.cancel()
+    finally:
+        sock.close()
+
+
+class SyncClient:
+    """Blocking client: one request at a time on one connection."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 600.0) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.timeout_ms = int(timeout_s * 1000)
+        self._decoder: Decoder[Any] = Decoder(cm.ClientInbound)
+        self.welcome: cm.Welcome | None = None
+
+    def __enter__(self) -> SyncClient:
+        self.sock.send(encode(Hello(actor="client", version=PROTOCOL_VERSION, pid=os.getpid())))
+        msg = self._recv()
+        if isinstance(msg, ErrorReply):
+            raise RequestError(msg)
+        if not isinstance(msg, cm.Welcome) or not msg.ok:
+            raise RuntimeError(f"server refused the handshake: {getattr(msg, 'reason', msg)}")
+        self.welcome = msg
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.sock.close(linger=0)
+
+    def _recv(self) -> Any:
+        while True:
+            if not self.sock.poll(self.timeout_ms):
+                raise TimeoutError(f"no answer from the server in {self.timeout_ms / 1000:.0f}s")
+            msg = self._decoder.decode(self.sock.recv())
+            if isinstance(msg, Pong) and not msg.nonce:
+                continue  # liveness probe
+            return msg
+
+    def stream(self, request: Generate | None = None, **kwargs: Any) -> Iterator[Any]:
+        req = request or build_generate(**kwargs)
+        self.sock.send(encode(req))
+        done = False
+        try:
+            while True:
+                msg = self._recv()
+                if getattr(msg, "request_id", req.request_id) != req.request_id:
+                    continue
+                if isinstance(msg, ErrorReply):
+                    done = True
+                    raise RequestError(msg)
+                yield msg
+                if isinstance(msg, cm.Final):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.sock.send(encode(Cancel(request_id=req.request_id)))
+
+    def generate(self, request: Generate | None = None, **kwargs: Any) -> Result:
+        req = request or build_generate(**kwargs)
+        result = Result(req.request_id)
+        for msg in self.stream(req):
+            if _apply(result, msg):
+                break
+        return result

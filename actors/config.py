@@ -1,0 +1,111 @@
+"""Runtime configuration: endpoints, model, KV pool, budgets. From defaults, a TOML file and flags.
+
+A TOML file mirrors the dataclass: top-level keys for ``RuntimeConfig`` and tables ``[endpoints]``,
+``[kv]``, ``[scheduler]``, ``[executor]`` for the sub-configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")
+
+
+@dataclass
+class Endpoints:
+    """ZeroMQ endpoints. Empty means ``ipc://RUN_DIR/sock/NAME`` (set by ``resolve``)."""
+
+    client: str = ""
+    tokenizer: str = ""
+    scheduler: str = ""
+    kv_manager: str = ""
+    executor: str = ""
+
+    def of(self, actor: str) -> str:
+        return str(getattr(self, actor))
+
+
+@dataclass
+class KVConfig:
+    num_blocks: int | None = None  # None: derive from kv_memory
+    kv_memory: float = 0.25  # bytes if > 1, else fraction of free device memory
+    block_size: int = 16
+    mode: Literal["full", "on_demand"] = "on_demand"
+    lookahead_blocks: int = 1
+    victim_policy: Literal["newest", "priority"] = "newest"
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "fcfs"
+    max_batch_size: int = 256
+    max_waiting: int = 4096
+    max_preemptions: int = 3  # past this, re-admit with a full reservation
+
+
+@dataclass
+class ExecutorConfig:
+    chunk_cap: int = 1024
+    step_budget: int = 8192
+    dtype: str | None = None
+    device: str | None = None
+    threads: int | None = None
+
+
+@dataclass
+class RuntimeConfig:
+    model: str = ""
+    run_dir: str = ".minirt"
+    endpoints: Endpoints = field(default_factory=Endpoints)
+    kv: KVConfig = field(default_factory=KVConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    max_msg_size: int = 64 * 1024 * 1024
+    heartbeat_s: float = 0.5
+
+    def resolve(self) -> RuntimeConfig:
+        """Fill empty endpoints with ipc sockets under the run dir; make the run dir absolute."""
+        self.run_dir = str(Path(self.run_dir).absolute())
+        sock = Path(self.run_dir) / "sock"
+        for name in ("client", *ACTORS):
+            if not getattr(self.endpoints, name):
+                setattr(self.endpoints, name, f"ipc://{sock / name}")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+
+def _merge(obj: Any, data: dict[str, Any], where: str) -> None:
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        if key not in names:
+            raise ValueError(f"unknown config key {where}{key!r}; known: {sorted(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {where}{key!r} must be a table")
+            _merge(current, value, f"{where}{key}.")
+        else:
+            setattr(obj, key, value)
+
+
+def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RuntimeConfig:
+    """Defaults, then the TOML (or JSON) file at ``path``, then ``overrides`` (nested dict)."""
+    cfg = RuntimeConfig()
+    if path is not None:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        _merge(cfg, data, "")
+    if overrides:
+        _merge(cfg, overrides, "")
+    return cfg

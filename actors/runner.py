@@ -1,0 +1,61 @@
+"""Run one actor in this process: ``minirt actor NAME`` and each child of ``minirt up``."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import trio
+
+from actors.config import ACTORS, RuntimeConfig
+from actors.events import configure, get_logger
+
+
+def build_actor(name: str, cfg: RuntimeConfig) -> Any:
+    """The actor object for ``name`` (imports only what that actor needs)."""
+    if name == "tokenizer":
+        from tokenizer_svc.service import TokenizerService
+
+        return TokenizerService(cfg)
+    if name == "scheduler":
+        from actors.scheduler.actor import SchedulerActor
+
+        return SchedulerActor(cfg)
+    if name == "kv_manager":
+        from actors.kv_manager import KVManagerActor
+        from gpu.actor import resolve_num_blocks
+
+        return KVManagerActor(cfg, resolve_num_blocks(cfg))
+    if name == "executor":
+        from gpu.actor import ExecutorActor
+
+        return ExecutorActor(cfg)
+    raise ValueError(f"unknown actor {name!r}; known: {list(ACTORS)}")
+
+
+async def _serve(actor: Any) -> None:
+    log = get_logger()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.serve)
+        log.info("actor.ready", pid=os.getpid())
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for sig in signals:
+                log.info("actor.stopping", signal=signal.Signals(sig).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def run_actor(name: str, cfg: RuntimeConfig) -> int:
+    """Serve ``name`` until SIGTERM/SIGINT. Events go to stdout and RUN_DIR/events/NAME.jsonl."""
+    cfg.resolve()
+    configure(name, cfg.run_dir)
+    log = get_logger()
+    try:
+        actor = build_actor(name, cfg)
+    except Exception as e:
+        log.exception("actor.failed_to_start", error=str(e))
+        return 2
+    trio.run(_serve, actor)
+    log.info("actor.stopped")
+    return 0

@@ -1,0 +1,53 @@
+"""Request state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from messages.common import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # in the queue
+    ADMITTING = "admitting"  # asked the KV manager for blocks, no answer yet
+    RUNNING = "running"  # in the executor
+    PREEMPTING = "preempting"  # told the executor to stop it; will be requeued
+    STOPPING = "stopping"  # told the executor to abort it
+    DONE = "done"
+
+    @property
+    def is_live(self) -> bool:
+        return self is not Status.DONE
+
+    @property
+    def holds_blocks(self) -> bool:
+        return self in (Status.RUNNING, Status.PREEMPTING, Status.STOPPING)
+
+
+@dataclass
+class SchedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float  # wall clock, from the tokenizer
+    enqueued: float  # scheduler clock when (re)queued
+    seq: int  # arrival order
+    status: Status = Status.WAITING
+    attempt: int = 0
+    admitted_seq: int = 0  # order of the latest admission (for the newest-first victim policy)
+    output_ids: list[int] = field(default_factory=list)  # generated in earlier attempts
+    preemptions: int = 0
+    abort_reason: str | None = None  # set when an abort arrives while an answer is pending
+    queue_s: float = 0.0
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    def tokens_now(self) -> list[int]:
+        """The prompt of the next attempt: original prompt plus what earlier attempts generated."""
+        return self.prompt_ids + self.output_ids
+
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)

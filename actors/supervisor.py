@@ -1,0 +1,154 @@
+"""``minirt up``: start the four actors as child processes, wait until each answers a ping, print
+``minirt ready <endpoint>``, restart an actor that dies, and stop them all on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from actors.config import ACTORS, RuntimeConfig
+from actors.events import get_logger
+from actors.health import wait_ready
+
+BUILTIN_MODEL = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt")) / "models"
+
+
+def builtin_model(arch: str = "qwen2", size: str = "tiny") -> Path:
+    """The built-in random-weight model, created on first use in the cache directory."""
+    from gpu.make_model import make_model
+
+    path = BUILTIN_MODEL / f"{size}-{arch}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_model(arch, size, tmp)
+        tmp.rename(path)
+    return path
+
+
+def prepare(cfg: RuntimeConfig) -> Path:
+    """Resolve the model, endpoints and KV pool size; write RUN_DIR/config.json (children read it)."""
+    if not cfg.model:
+        cfg.model = str(builtin_model())
+    cfg.resolve()
+    from gpu.actor import resolve_num_blocks
+
+    cfg.kv.num_blocks = resolve_num_blocks(cfg)
+    run = Path(cfg.run_dir)
+    for sub in ("sock", "events", "logs"):
+        (run / sub).mkdir(parents=True, exist_ok=True)
+    path = run / "config.json"
+    cfg.save(path)
+    return path
+
+
+class Child:
+    def __init__(self, name: str, config_path: Path, run_dir: Path) -> None:
+        self.name = name
+        self.config_path = config_path
+        self.log_path = run_dir / "logs" / f"{name}.log"
+        self.proc: Any = None
+        self.restarts = 0
+
+    async def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "actor",
+            self.name,
+            "--config",
+            str(self.config_path),
+        ]
+        out = self.log_path.open("ab")
+        self.proc = await trio.lowlevel.open_process(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        out.close()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+class Supervisor:
+    def __init__(self, cfg: RuntimeConfig, config_path: Path, max_restarts: int = 5) -> None:
+        self.cfg = cfg
+        self.children = {n: Child(n, config_path, Path(cfg.run_dir)) for n in ACTORS}
+        self.max_restarts = max_restarts
+        self.log = get_logger()
+        self.stopping = False
+
+    async def run(
+        self, task_status: Any = trio.TASK_STATUS_IGNORED, ready_timeout: float = 120.0
+    ) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for child in self.children.values():
+                    await child.start()
+                    self.log.info("supervisor.started", child=child.name, pid=child.proc.pid)
+                async with trio.open_nursery() as waits:
+                    for name in ACTORS:
+                        waits.start_soon(wait_ready, self.cfg.endpoints.of(name), ready_timeout)
+                for child in self.children.values():
+                    nursery.start_soon(self._watch, child)
+                endpoint = self.cfg.endpoints.client
+                self.log.info("supervisor.ready", endpoint=endpoint)
+                task_status.started(endpoint)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stop()
+
+    async def _watch(self, child: Child) -> None:
+        while True:
+            code = await child.proc.wait()
+            if self.stopping:
+                return
+            self.log.error(
+                "supervisor.child_exited",
+                child=child.name,
+                returncode=code,
+                restarts=child.restarts,
+            )
+            if child.restarts >= self.max_restarts:
+                raise RuntimeError(f"{child.name} died {child.restarts + 1} times; giving up")
+            child.restarts += 1
+            await trio.sleep(min(0.2 * 2**child.restarts, 5.0))
+            await child.start()
+            self.log.info("supervisor.restarted", child=child.name, pid=child.proc.pid)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every child, wait up to ``grace`` seconds, then SIGKILL what is left."""
+        self.stopping = True
+        for child in self.children.values():
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children.values():
+            if child.proc is None:
+                continue
+            with trio.move_on_at(trio.current_time() + max(0.0, deadline - time.monotonic())):
+                await child.proc.wait()
+            if child.proc.returncode is None:
+                child.signal(signal.SIGKILL)
+                await child.proc.wait()
+        self.log.info("supervisor.stopped")
+
+
+async def run_up(cfg: RuntimeConfig, config_path: Path) -> None:
+    sup = Supervisor(cfg, config_path)
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(sup.run)
+        print(f"minirt ready {endpoint}", flush=True)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break

@@ -1,0 +1,69 @@
+"""What a client receives from the tokenizer service (the replies on its DEALER socket)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.common import ErrorReply, HelloAck, Msg, Pong
+
+
+class Welcome(Msg, tag="welcome"):
+    """Answer to a client's ``Hello``: the server's version and what it serves."""
+
+    version: int
+    model: str
+    max_model_len: int
+    ok: bool = True
+    reason: str = ""
+
+
+class Accepted(Msg, tag="accepted"):
+    """The request passed validation and was queued; ``prompt_tokens`` is its tokenized length."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class Delta(Msg, tag="delta"):
+    """Newly generated text and token ids of one request (streamed as they are produced)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(msgspec.Struct, omit_defaults=True):
+    """Seconds: queue = waiting for admission, ttft = arrival to first token, tpot = mean time per
+    output token after the first, total = arrival to finish."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    total_s: float = 0.0
+
+
+class Final(Msg, tag="final"):
+    """The last message of a request. ``finish_reason``: stop, length, abort or error."""
+
+    request_id: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    stop_reason: str | None = None  # the stop string or stop token that ended it
+    preemptions: int = 0
+
+
+ClientInbound = Welcome | Accepted | Delta | Final | ErrorReply | Pong | HelloAck

@@ -1,0 +1,57 @@
+"""What the executor accepts: admissions and block grants (scheduler, KV manager), preemption and aborts."""
+
+from __future__ import annotations
+
+from messages.common import Hello, Msg, Ping, SamplingParams
+
+
+class Run(Msg, tag="x_run"):
+    """Scheduler -> executor: the request holds ``block_table``; the first ``cached_tokens`` prompt
+    tokens' KV is already in those blocks. ``output_offset`` counts tokens generated in earlier
+    attempts (after a preemption the prompt carries them and ``params.max_tokens`` is what is left)."""
+
+    request_id: str
+    attempt: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    block_table: list[int]
+    cached_tokens: int = 0
+    output_offset: int = 0
+
+
+class Extend(Msg, tag="x_extend"):
+    """KV -> executor: blocks appended to the request's block table (decode growth)."""
+
+    request_id: str
+    attempt: int
+    blocks: list[int]
+
+
+class Preempt(Msg, tag="x_preempt"):
+    """Scheduler -> executor: stop the request now; answer ``RequestDone(status=preempted)``."""
+
+    request_id: str
+    attempt: int
+
+
+class Stop(Msg, tag="x_stop"):
+    """Scheduler -> executor: abort the request; answer ``RequestDone(status=aborted)``."""
+
+    request_id: str
+    attempt: int
+    reason: str = "abort"
+
+
+class Stats(Msg, tag="x_stats"):
+    """Anyone -> executor: answered with ``ExecutorStats`` on the same connection."""
+
+
+class ExecutorStats(Msg, tag="x_stats_reply"):
+    running: int
+    steps: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+ExecutorInbound = Hello | Ping | Run | Extend | Preempt | Stop | Stats

@@ -1,0 +1,83 @@
+"""What the KV manager accepts: admission and release (scheduler), growth (executor), state queries."""
+
+from __future__ import annotations
+
+from messages.common import Hello, Msg, Ping
+
+
+class Admit(Msg, tag="kv_admit"):
+    """Scheduler -> KV: match the longest cached prefix, then allocate blocks for
+    ``reserve_tokens`` tokens in all. Answered with ``scheduler.AdmitResult``."""
+
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+    reserve_tokens: int
+
+
+class Grow(Msg, tag="kv_grow"):
+    """Executor -> KV: the request will soon hold ``total_tokens`` tokens; grant blocks ahead of
+    need (``executor.Extend``), or report ``scheduler.GrowthShortage``."""
+
+    request_id: str
+    attempt: int
+    total_tokens: int
+
+
+class Finish(Msg, tag="kv_finish"):
+    """Scheduler -> KV: the request finished; cache the full blocks of ``token_ids`` and drop its refs."""
+
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+
+
+class CachePrefix(Msg, tag="kv_cache_prefix"):
+    """Executor -> KV: the request's prompt KV is written (prefill done); cache its full blocks so
+    requests admitted while it runs can share them."""
+
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+
+
+class Release(Msg, tag="kv_release"):
+    """Scheduler -> KV: drop the request's blocks without caching them (abort, preemption, error)."""
+
+    request_id: str
+    attempt: int
+    reason: str = "release"
+
+
+class MatchQuery(Msg, tag="kv_match"):
+    """Anyone -> KV (answered on the same connection with ``MatchReply``): cached prefix length of
+    each token list, without allocating or touching LRU order."""
+
+    token_lists: list[list[int]]
+
+
+class MatchReply(Msg, tag="kv_match_reply"):
+    cached_tokens: list[int]
+
+
+class StatsQuery(Msg, tag="kv_stats"):
+    """Anyone -> KV: answered on the same connection with ``Stats``; ``check`` runs the invariant check."""
+
+    check: bool = True
+
+
+class Stats(Msg, tag="kv_stats_reply"):
+    num_blocks: int
+    free: int
+    cached_only: int
+    in_use: int
+    running: int
+    hit_tokens: int
+    queried_tokens: int
+    evictions: int
+    preemptions: int
+    check_ok: bool
+    check_error: str = ""
+
+
+KVInbound = Hello | Ping | Admit | Grow | CachePrefix | Finish | Release | MatchQuery | StatsQuery

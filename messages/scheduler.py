@@ -1,0 +1,78 @@
+"""What the scheduler accepts: new requests and aborts (tokenizer), KV answers (KV manager) and
+request state changes (executor)."""
+
+from __future__ import annotations
+
+from messages.common import Hello, Msg, Ping, SamplingParams
+
+
+class Submit(Msg, tag="submit"):
+    """Tokenizer -> scheduler: a validated, tokenized request to queue."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float  # wall-clock seconds when the tokenizer received it
+
+
+class Abort(Msg, tag="abort"):
+    """Tokenizer -> scheduler: stop this request wherever it is (cancel, disconnect, stop string)."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+class AdmitResult(Msg, tag="admit_result"):
+    """KV manager -> scheduler: the answer to ``kv.Admit``."""
+
+    request_id: str
+    attempt: int
+    ok: bool
+    block_table: list[int] = []
+    cached_tokens: int = 0
+    evicted: list[int] = []
+    reason: str = ""
+    blocks_needed: int = 0
+    blocks_free: int = 0
+    blocks_evictable: int = 0
+    fatal: bool = False  # the request can never fit (larger than the whole pool)
+
+
+class GrowthShortage(Msg, tag="shortage"):
+    """KV manager -> scheduler: a running request needs a block for decode and none is left."""
+
+    request_id: str
+    attempt: int
+    blocks_needed: int
+    blocks_free: int
+    blocks_evictable: int
+
+
+class BlocksFreed(Msg, tag="freed"):
+    """KV manager -> scheduler: blocks returned to the pool (finish or release); retry admission."""
+
+    free: int
+    evictable: int
+
+
+class RequestDone(Msg, tag="done"):
+    """Executor -> scheduler: a request left the executor.
+
+    ``status``: finished (``finish_reason`` stop/length), aborted, preempted or error.
+    ``kv_token_ids`` are the tokens whose KV was written (prompt + outputs except the last), so
+    the KV manager can cache their full blocks. ``output_ids`` are all tokens generated in this
+    attempt."""
+
+    request_id: str
+    attempt: int
+    status: str
+    kv_token_ids: list[int] = []
+    output_ids: list[int] = []
+    finish_reason: str | None = None
+    message: str = ""
+    field: str | None = None
+
+
+SchedulerInbound = (
+    Hello | Ping | Submit | Abort | AdmitResult | GrowthShortage | BlocksFreed | RequestDone
+)

@@ -1,0 +1,73 @@
+"""What the tokenizer service accepts: client requests, plus events from the scheduler and executor."""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.common import Hello, Msg, Ping, SamplingParams
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Generate(Msg, tag="generate"):
+    """A client's request. Exactly one of ``prompt`` (text), ``messages`` (chat, rendered with the
+    model's chat template) or ``prompt_ids`` (raw token ids) is set. ``request_id`` is optional;
+    the service assigns one when it is empty. ``stop`` are stop strings, matched on the text."""
+
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_ids: list[int] | None = None
+    request_id: str = ""
+    stop: list[str] = []
+    add_special_tokens: bool = True
+
+
+class Cancel(Msg, tag="cancel"):
+    """A client abandons a request; the service aborts it everywhere and answers ``Final(abort)``."""
+
+    request_id: str
+
+
+class TokenEvent(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One generated token of one request, from one executor step."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+class TokenBatch(Msg, tag="tokens"):
+    """Executor -> tokenizer: the tokens one step produced, all requests at once."""
+
+    events: list[TokenEvent]
+
+
+class RequestAdmitted(Msg, tag="admitted"):
+    """Scheduler -> tokenizer: the request got its KV blocks (for usage and timings)."""
+
+    request_id: str
+    cached_tokens: int
+    queue_s: float
+    attempt: int = 0
+
+
+class RequestFailed(Msg, tag="failed"):
+    """Scheduler -> tokenizer: the request ended without finishing normally."""
+
+    request_id: str
+    code: str
+    message: str
+    field: str | None = None
+
+
+FromClient = Hello | Ping | Generate | Cancel
+"""What the client endpoint accepts."""
+
+TokenizerInbound = Hello | Ping | TokenBatch | RequestAdmitted | RequestFailed
+"""What the tokenizer service's internal inbox accepts (from the scheduler and executor)."""

@@ -1,0 +1,40 @@
+"""Incremental detokenization: turn a growing list of token ids into text deltas.
+
+Byte-level tokenizers can split one UTF-8 character over several tokens. The detokenizer decodes a
+window ``ids[prefix:]`` and emits only the text past ``ids[prefix:read]``, and only once it does not
+end in U+FFFD (an incomplete character), so a delta never splits a multi-byte character. The
+concatenated deltas plus ``flush()`` equal ``tokenizer.decode(ids)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens before this index have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=self._skip))
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the new text that is now complete (may be empty)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return full[len(prefix_text) :]
