@@ -111,7 +111,12 @@ class AsyncClient:
 
     async def _reader(self) -> None:
         while True:
-            frames = await self.sock.recv()
+            try:
+                frames = await self.sock.recv()
+            except zmq.ZMQError:
+                if self.sock.closed:
+                    return  # close() was called: the connection is gone on purpose
+                raise
             msg = self._decoder.decode(frames[-1])
             rid = getattr(msg, "request_id", None)
             if rid is not None and rid in self._streams:
@@ -127,6 +132,10 @@ class AsyncClient:
             ):
                 await self._control.send(msg)
             # unsolicited Pongs (liveness probes) and late messages are ignored
+
+    def close(self) -> None:
+        """Drop the connection now; the server aborts this connection's requests."""
+        self.sock.close()
 
     async def hello(self) -> cm.Welcome:
         await self.sock.send(
@@ -173,7 +182,8 @@ class AsyncClient:
         return result
 
     async def cancel(self, request_id: str) -> None:
-        await self.sock.send([encode(Cancel(request_id=request_id))])
+        if not self.sock.closed:  # a closed connection already aborts its requests server-side
+            await self.sock.send([encode(Cancel(request_id=request_id))])
 
 
 @asynccontextmanager
