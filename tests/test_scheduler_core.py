@@ -1,0 +1,164 @@
+"""Scheduler policy as a pure state machine: no sockets, no model."""
+
+from __future__ import annotations
+
+from structlog.testing import capture_logs
+
+from actors.config import KVConfig, SchedulerConfig
+from actors.scheduler.core import SchedulerCore
+from messages import executor as xm
+from messages import kv as km
+from messages import tokenizer as tm
+from messages.common import SamplingParams
+from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, RequestDone, Submit
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(max_waiting=100, max_batch=8, mode="on_demand", max_preemptions=3):
+    import structlog
+
+    clock = Clock()
+    core = SchedulerCore(
+        SchedulerConfig(max_waiting=max_waiting, max_batch_size=max_batch, max_preemptions=max_preemptions),
+        KVConfig(mode=mode, block_size=4, lookahead_blocks=1),
+        structlog.get_logger(),
+        clock,
+    )
+    return core, clock
+
+
+def submit(core, rid, n=6, max_tokens=8):
+    core.submit(Submit(request_id=rid, prompt_ids=list(range(1, n + 1)),
+                       params=SamplingParams(max_tokens=max_tokens), arrival=0.0))
+
+
+def sent(core, peer=None, kind=None):
+    return [m for p, m in core.take_outbox() if (peer is None or p == peer) and (kind is None or isinstance(m, kind))]
+
+
+def admit_ok(core, rid, attempt=1, table=(0, 1, 2)):
+    core.admit_result(AdmitResult(request_id=rid, attempt=attempt, ok=True, block_table=list(table)))
+
+
+def test_fcfs_admits_one_at_a_time_in_arrival_order():
+    core, _ = make()
+    submit(core, "a")
+    submit(core, "b")
+    [ask] = sent(core, "kv_manager", km.Admit)
+    assert ask.request_id == "a" and ask.reserve_tokens == 6 + 4  # prompt + one lookahead block
+    admit_ok(core, "a")
+    out = core.take_outbox()
+    run = [m for p, m in out if isinstance(m, xm.Run)]
+    asks = [m for p, m in out if isinstance(m, km.Admit)]
+    assert run[0].request_id == "a" and run[0].block_table == [0, 1, 2]
+    assert asks[0].request_id == "b"
+
+
+def test_full_mode_reserves_prompt_plus_max_tokens():
+    core, _ = make(mode="full")
+    submit(core, "a", n=6, max_tokens=8)
+    [ask] = sent(core, "kv_manager", km.Admit)
+    assert ask.reserve_tokens == 14
+
+
+def test_refusal_waits_for_freed_blocks_then_retries():
+    core, _ = make()
+    submit(core, "a")
+    sent(core)
+    admit_ok(core, "a")
+    sent(core)  # admit for nothing else
+    submit(core, "b")
+    sent(core)
+    with capture_logs() as logs:
+        core.admit_result(AdmitResult(request_id="b", attempt=1, ok=False, reason="short",
+                                      blocks_needed=3, blocks_free=1, blocks_evictable=0))
+    refused = [e for e in logs if e["event"] == "admission.refused"]
+    assert refused and refused[0]["blocks_needed"] == 3 and refused[0]["blocks_free"] == 1
+    assert not sent(core, "kv_manager", km.Admit)  # parked, no busy loop
+    core.blocks_freed(BlocksFreed(free=5, evictable=0))
+    [ask] = sent(core, "kv_manager", km.Admit)
+    assert ask.request_id == "b" and ask.attempt == 2
+
+
+def test_refusal_with_nothing_running_fails_the_request():
+    core, _ = make()
+    submit(core, "big")
+    sent(core)
+    core.admit_result(AdmitResult(request_id="big", attempt=1, ok=False, reason="pool too small",
+                                  fatal=True))
+    [fail] = sent(core, "tokenizer", tm.RequestFailed)
+    assert fail.code == "too_long" and "pool too small" in fail.message
+
+
+def test_bounded_queue_answers_overloaded():
+    core, _ = make(max_waiting=2)
+    for rid in ("a", "b", "c"):
+        submit(core, rid)
+    fails = sent(core, "tokenizer", tm.RequestFailed)
+    assert [f.request_id for f in fails] == ["c"] and fails[0].code == "overloaded"
+
+
+def test_shortage_preempts_newest_and_requeues_it_first_with_its_tokens():
+    core, _ = make()
+    for rid in ("a", "b"):
+        submit(core, rid)
+    admit_ok(core, "a")
+    admit_ok(core, "b")
+    submit(core, "c")
+    sent(core)
+    core.shortage(GrowthShortage(request_id="a", attempt=1, blocks_needed=1, blocks_free=0,
+                                 blocks_evictable=0))
+    [pre] = sent(core, "executor", xm.Preempt)
+    assert pre.request_id == "b"  # newest admitted
+    core.request_done(RequestDone(request_id="b", attempt=1, status="preempted", output_ids=[50, 51]))
+    out = core.take_outbox()
+    assert any(isinstance(m, km.Release) and m.request_id == "b" for _, m in out)
+    # c was admitting; once it resolves, b (requeued at the front) goes before anything newer
+    asks = [m for _, m in out if isinstance(m, km.Admit)]
+    assert not asks or asks[0].request_id in ("b", "c")
+    assert core.queue.peek().request_id == "b"
+    assert core.requests["b"].tokens_now()[-2:] == [50, 51]
+
+
+def test_abort_while_admitting_releases_the_granted_blocks():
+    core, _ = make()
+    submit(core, "a")
+    sent(core)
+    core.abort("a", "cancel")
+    admit_ok(core, "a")
+    out = core.take_outbox()
+    assert [type(m) for _, m in out] == [km.Release]
+    assert "a" not in core.requests
+
+
+def test_finished_request_is_cached_by_the_kv_manager():
+    core, _ = make()
+    submit(core, "a")
+    admit_ok(core, "a")
+    sent(core)
+    core.request_done(RequestDone(request_id="a", attempt=1, status="finished",
+                                  kv_token_ids=[1, 2, 3], output_ids=[9], finish_reason="stop"))
+    [fin] = sent(core, "kv_manager", km.Finish)
+    assert fin.token_ids == [1, 2, 3]
+    assert not core.requests and not core.running
+
+
+def test_repeatedly_preempted_request_gets_a_full_reservation():
+    core, _ = make(max_preemptions=1)
+    submit(core, "a", n=6, max_tokens=8)
+    for attempt in (1, 2):
+        admit_ok(core, "a", attempt=attempt)
+        sent(core)
+        core.shortage(GrowthShortage(request_id="a", attempt=attempt, blocks_needed=1, blocks_free=0,
+                                     blocks_evictable=0))
+        core.request_done(RequestDone(request_id="a", attempt=attempt, status="preempted",
+                                      output_ids=[7]))
+    asks = sent(core, "kv_manager", km.Admit)
+    assert asks[-1].attempt == 3
+    assert asks[-1].reserve_tokens == 8 + 6  # prompt+2 outputs, plus the 6 tokens still allowed
