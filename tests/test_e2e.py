@@ -178,3 +178,18 @@ async def test_decode_shortage_preempts_and_stays_exact(tiny_model, tmp_path):
         assert any(r.preemptions for r in results)
         s = await wait_until(lambda: kv_stats(rt))
         assert s.check_ok and s.in_use == 0
+
+
+async def test_handshake_refuses_a_protocol_version_mismatch(runtime):
+    from messages import client as cm
+    from messages.common import PROTOCOL_VERSION, Hello, HelloAck
+    from tests.runtime import query
+
+    bad = Hello(actor="test", version=PROTOCOL_VERSION + 1)
+    welcome = await query(runtime.endpoint, bad, cm.Welcome)
+    assert not welcome.ok and "not supported" in welcome.reason
+    ack = await query(runtime.actor_endpoint("scheduler"), bad, HelloAck)
+    assert not ack.ok and str(PROTOCOL_VERSION) in ack.reason
+    assert any(e.get("code") == "version_mismatch" for e in runtime.events("protocol.error"))
+    [res] = await run_all(runtime.endpoint, [[9, 8, 7]])
+    assert res.token_ids
