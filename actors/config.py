@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ class Endpoints:
 @dataclass
 class KVConfig:
     num_blocks: int | None = None  # None: derive from kv_memory
-    kv_memory: float = 0.25  # bytes if > 1, else fraction of free device memory
+    kv_memory: float | None = None  # bytes if > 1, else fraction of free memory; None: default
     block_size: int = 16
     mode: Literal["full", "on_demand"] = "on_demand"
     lookahead_blocks: int = 1
@@ -99,13 +100,50 @@ def _merge(obj: Any, data: dict[str, Any], where: str) -> None:
             setattr(obj, key, value)
 
 
+ENV_PREFIX = "MINIRT_"
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Settings from the environment (how compose configures each container):
+    ``MINIRT_MODEL``, ``MINIRT_RUN_DIR``, ``MINIRT_NUM_BLOCKS``, ``MINIRT_KV_MODE``,
+    ``MINIRT_BLOCK_SIZE`` and ``MINIRT_<ACTOR>_ENDPOINT`` for client, tokenizer, scheduler,
+    kv_manager and executor."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if env.get("MINIRT_MODEL"):
+        out["model"] = env["MINIRT_MODEL"]
+    if env.get("MINIRT_RUN_DIR"):
+        out["run_dir"] = env["MINIRT_RUN_DIR"]
+    kv: dict[str, Any] = {}
+    if env.get("MINIRT_NUM_BLOCKS"):
+        kv["num_blocks"] = int(env["MINIRT_NUM_BLOCKS"])
+    if env.get("MINIRT_KV_MODE"):
+        kv["mode"] = env["MINIRT_KV_MODE"]
+    if env.get("MINIRT_BLOCK_SIZE"):
+        kv["block_size"] = int(env["MINIRT_BLOCK_SIZE"])
+    if kv:
+        out["kv"] = kv
+    eps = {
+        n: env[f"MINIRT_{n.upper()}_ENDPOINT"]
+        for n in ("client", *ACTORS)
+        if env.get(f"MINIRT_{n.upper()}_ENDPOINT")
+    }
+    if eps:
+        out["endpoints"] = eps
+    return out
+
+
 def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RuntimeConfig:
-    """Defaults, then the TOML (or JSON) file at ``path``, then ``overrides`` (nested dict)."""
+    """Defaults, then the TOML (or JSON) file at ``path``, then ``MINIRT_*`` environment
+    variables, then ``overrides`` (nested dict, from command-line flags)."""
     cfg = RuntimeConfig()
     if path is not None:
         text = Path(path).read_text()
         data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         _merge(cfg, data, "")
+    env = env_overrides()
+    if env:
+        _merge(cfg, env, "")
     if overrides:
         _merge(cfg, overrides, "")
     return cfg

@@ -74,7 +74,7 @@ async def _exchange(inbox: ZSocket, out: ZSocket, n: int, rtt: int, leader: bool
 
 
 async def run_side(inbox_ep: str, peer_ep: str, n: int, rtt: int, leader: bool) -> dict[str, Any]:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     inbox = open_socket(ctx, zmq.ROUTER, bind=inbox_ep, hwm=0)
     out = open_socket(ctx, zmq.DEALER, connect=[peer_ep], hwm=0)
     try:
@@ -91,8 +91,18 @@ def run_pair(n: int, rtt: int, timeout: float = 120.0) -> dict[str, Any]:
     """Start the peer process, run both sides, return both reports."""
     with tempfile.TemporaryDirectory() as d:
         a, b = f"ipc://{Path(d) / 'a'}", f"ipc://{Path(d) / 'b'}"
-        cmd = [sys.executable, "-m", "actors.transport_bench", "--peer", b, a, "--n", str(n),
-               "--rtt", str(rtt)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "actors.transport_bench",
+            "--peer",
+            b,
+            a,
+            "--n",
+            str(n),
+            "--rtt",
+            str(rtt),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         try:
             mine = trio.run(_with_deadline, a, b, n, rtt, timeout)
@@ -123,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     r = run_pair(args.n, args.rtt)
     lead, peer = r["leader"], r["peer"]
     print(f"{args.n} messages each way, concurrently, over ipc:// between two processes")
-    print(f"  leader received {lead['received']} ({lead['out_of_order']} out of order) "
-          f"at {lead['recv_msgs_per_s']:,.0f} msg/s")
-    print(f"  peer   received {peer['received']} ({peer['out_of_order']} out of order) "
-          f"at {peer['recv_msgs_per_s']:,.0f} msg/s")
-    print(f"  round trip over {args.rtt} ping-pongs: p50 {lead['rtt_p50_us']:.0f} us, "
-          f"p99 {lead['rtt_p99_us']:.0f} us")
+    print(
+        f"  leader received {lead['received']} ({lead['out_of_order']} out of order) "
+        f"at {lead['recv_msgs_per_s']:,.0f} msg/s"
+    )
+    print(
+        f"  peer   received {peer['received']} ({peer['out_of_order']} out of order) "
+        f"at {peer['recv_msgs_per_s']:,.0f} msg/s"
+    )
+    print(
+        f"  round trip over {args.rtt} ping-pongs: p50 {lead['rtt_p50_us']:.0f} us, "
+        f"p99 {lead['rtt_p99_us']:.0f} us"
+    )
     return 0
 
 
