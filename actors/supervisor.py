@@ -111,7 +111,9 @@ class Supervisor:
     async def _watch(self, child: Child) -> None:
         while True:
             code = await child.proc.wait()
-            if self.stopping:
+            if self.stopping or code == 0:
+                # 0: the actor stopped on a signal (e.g. the terminal's Ctrl-C reached the whole
+                # process group); the supervisor is about to stop too.
                 return
             self.log.error(
                 "supervisor.child_exited",
