@@ -1,0 +1,28 @@
+"""KV manager library: block pool with ref counts, block-aligned radix prefix cache with LRU
+eviction, admission / growth / preemption decisions. Synchronous, no I/O, no torch."""
+
+from actors.kv.block_pool import BlockPool
+from actors.kv.errors import KVError, KVInvariantError
+from actors.kv.manager import KVManager, RequestState, ReserveMode
+from actors.kv.radix_cache import PrefixMatch, RadixCache, RadixNode
+from actors.kv.results import Admitted, Extended, KVStats, Refused, Shortage
+from actors.kv.victim import VictimPolicy, pick_victim
+
+__all__ = [
+    "Admitted",
+    "BlockPool",
+    "Extended",
+    "KVError",
+    "KVInvariantError",
+    "KVManager",
+    "KVStats",
+    "PrefixMatch",
+    "RadixCache",
+    "RadixNode",
+    "Refused",
+    "RequestState",
+    "ReserveMode",
+    "Shortage",
+    "VictimPolicy",
+    "pick_victim",
+]
