@@ -11,8 +11,8 @@ the loop, so a handler never waits on a peer.
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections import deque
 from typing import Any
 
 import msgspec
@@ -21,6 +21,7 @@ import zmq
 
 from actors.config import RuntimeConfig
 from actors.events import get_logger
+from actors.peers import Peer, set_immediate
 from actors.transport import ZSocket, open_socket
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import (
@@ -34,23 +35,13 @@ from messages.common import (
 )
 
 
-class Peer:
-    """A DEALER connection to another actor's inbox, with an outbox for when its queue is full."""
-
-    def __init__(self, name: str, sock: ZSocket) -> None:
-        self.name = name
-        self.sock = sock
-        self.pending: deque[bytes] = deque()
-        self.acked = trio.Event()
-        self.ack: HelloAck | None = None
-
-
 class Actor:
     """Base class. Subclasses set ``name`` and ``inbound`` (their union), implement ``handle``."""
 
     name = "actor"
     inbound: Any = None
-    peers: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ("tokenizer", "scheduler", "kv_manager", "executor")
+    dead_after = 3.0  # heartbeats of silence before a peer is declared dead
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         self.cfg = cfg
@@ -62,6 +53,8 @@ class Actor:
         self.out: dict[str, Peer] = {}
         self._reply_decoder: Decoder[Any] = Decoder(HelloAck | Pong | ErrorReply)
         self._flush_needed = trio.Event()
+        self.hb = cfg.heartbeat_s
+        self.down: set[str] = set()  # peers declared dead and not back yet
 
     # ------------------------------------------------------------------ setup
     def open(self) -> None:
@@ -73,16 +66,17 @@ class Actor:
             max_msg_size=self.cfg.max_msg_size,
         )
         for peer in self.peers:
+            if peer == self.name:
+                continue
             sock = open_socket(
                 self.ctx,
                 zmq.DEALER,
                 connect=[self.cfg.endpoints.of(peer)],
                 max_msg_size=self.cfg.max_msg_size,
             )
+            set_immediate(sock)
             self.out[peer] = Peer(peer, sock)
-            sock.send_nowait(
-                [encode(Hello(actor=self.name, version=PROTOCOL_VERSION, pid=os.getpid()))]
-            )
+            self.send(peer, Hello(actor=self.name, version=PROTOCOL_VERSION, pid=os.getpid()))
 
     def close(self) -> None:
         for p in self.out.values():
@@ -104,6 +98,7 @@ class Actor:
                 for peer in self.out.values():
                     nursery.start_soon(self._read_peer, peer)
                 nursery.start_soon(self._flusher)
+                nursery.start_soon(self._heartbeat)
                 await self.start_tasks(nursery)
                 task_status.started()
                 await self.main_loop()
@@ -199,8 +194,21 @@ class Actor:
             except BadFrame as e:
                 self.log.warning("protocol.error", peer=peer.name, reason=str(e))
                 continue
-            if isinstance(msg, HelloAck):
-                peer.ack = msg
+            if isinstance(msg, Pong):
+                change = peer.heard(msg.boot_id)
+                if change == "restarted":
+                    self._peer_died(peer, f"{peer.name} restarted (new boot id {msg.boot_id})")
+                    peer.heard(msg.boot_id)
+                    change = "back"
+                if change == "back":
+                    was_down = peer.name in self.down
+                    self.down.discard(peer.name)
+                    self.log.info(
+                        "peer.alive", peer=peer.name, peer_pid=msg.pid, boot_id=msg.boot_id
+                    )
+                    if was_down:
+                        self.on_peer_back(peer.name)
+            elif isinstance(msg, HelloAck):
                 peer.acked.set()
                 if not msg.ok:
                     self.log.error(
@@ -216,17 +224,43 @@ class Actor:
                     reason=msg.message,
                     request_id=msg.request_id,
                 )
-            else:
-                self.on_peer_reply(peer, msg)
 
-    def on_peer_reply(self, peer: Peer, msg: Any) -> None:
-        """Hook: a Pong from a peer."""
+    async def _heartbeat(self) -> None:
+        """Ping every peer each ``heartbeat_s``; declare dead the ones silent for too long."""
+        while True:
+            for peer in self.out.values():
+                peer.nonce += 1
+                try:
+                    peer.sock.send_nowait([encode(Ping(nonce=peer.nonce))])
+                except zmq.ZMQError:
+                    pass
+            await trio.sleep(self.hb)
+            now = time.monotonic()
+            for peer in self.out.values():
+                if peer.overdue(now, self.hb * self.dead_after):
+                    silent = now - peer.last_seen
+                    self._peer_died(peer, f"{peer.name} died (no heartbeat for {silent:.1f}s)")
+
+    def _peer_died(self, peer: Peer, reason: str) -> None:
+        peer.mark_dead()
+        self.down.add(peer.name)
+        self.log.error("peer.dead", peer=peer.name, reason=reason)
+        self.on_peer_dead(peer.name, reason)
+
+    def on_peer_dead(self, name: str, reason: str) -> None:
+        """Hook: ``name`` died. Every request in flight spans all actors, so by default each
+        actor drops (and reports) the requests it holds; see the subclasses."""
+
+    def on_peer_back(self, name: str) -> None:
+        """Hook: ``name`` answers heartbeats again after it was declared dead (its successor)."""
 
     # ------------------------------------------------------------------ send
     def send(self, peer: str, msg: msgspec.Struct) -> None:
         """Queue ``msg`` for ``peer``; sent now when its queue has room, else by the flusher."""
         p = self.out[peer]
         data = encode(msg)
+        if not p.alive and p.last_seen:
+            return  # dead: the successor must not get messages meant for the process it replaced
         if p.pending or not p.sock.send_nowait([data]):
             p.pending.append(data)
             self._flush_needed.set()

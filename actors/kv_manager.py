@@ -23,7 +23,6 @@ from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage
 class KVManagerActor(Actor):
     name = "kv_manager"
     inbound = km.KVInbound
-    peers = ("scheduler", "executor")
 
     def __init__(self, cfg: RuntimeConfig, num_blocks: int) -> None:
         super().__init__(cfg)
@@ -43,6 +42,30 @@ class KVManagerActor(Actor):
             lookahead_blocks=cfg.kv.lookahead_blocks,
         )
 
+    def on_peer_dead(self, name: str, reason: str) -> None:
+        """Drop every request's blocks; if the executor died its KV tensors died with it, so the
+        prefix cache is emptied too."""
+        if name == "executor":
+            self.kv = KVManager(
+                self.kv.pool.num_blocks,
+                self.cfg.kv.block_size,
+                mode=self.cfg.kv.mode,
+                lookahead_blocks=self.cfg.kv.lookahead_blocks,
+            )
+        else:
+            for rid in list(self.kv.requests):
+                self.kv.release(rid, preempted=False)
+        self.attempts.clear()
+        self.pending_growth.clear()
+        s = self.kv.stats()
+        self.log.warning(
+            "kv.reset",
+            reason=reason,
+            cache_cleared=name == "executor",
+            free=s.free,
+            cached=s.cached,
+        )
+
     def _current(self, rid: str, attempt: int) -> bool:
         return self.attempts.get(rid) == attempt and rid in self.kv
 
@@ -54,22 +77,37 @@ class KVManagerActor(Actor):
                 self._grow(msg.request_id, msg.attempt, msg.total_tokens, report=True)
         elif isinstance(msg, km.CachePrefix):
             if self._current(msg.request_id, msg.attempt):
-                n = self.kv.cache_prefix(msg.request_id, msg.token_ids)
-                self.log.debug("kv.cached", request_id=msg.request_id, new_blocks=n)
-        elif isinstance(msg, km.Finish):
-            if self._current(msg.request_id, msg.attempt):
-                freed = self.kv.finish(msg.request_id, msg.token_ids)
-                self._after_free(msg.request_id, "finished", freed)
-        elif isinstance(msg, km.Release):
-            if self._current(msg.request_id, msg.attempt):
-                freed = self.kv.release(msg.request_id, preempted=msg.reason == "preempted")
-                self._after_free(msg.request_id, msg.reason, freed)
+                try:
+                    n = self.kv.cache_prefix(msg.request_id, msg.token_ids)
+                    self.log.debug("kv.cached", request_id=msg.request_id, new_blocks=n)
+                except KVError as e:
+                    self.log.error("kv.cache_error", request_id=msg.request_id, reason=str(e))
+        elif isinstance(msg, (km.Finish, km.Release)):
+            self._leave(msg)
         elif isinstance(msg, km.MatchQuery):
             self.reply(
                 ident, km.MatchReply(cached_tokens=[self.kv.peek_match(t) for t in msg.token_lists])
             )
         elif isinstance(msg, km.StatsQuery):
             self.reply(ident, self.stats_reply(msg.check))
+
+    def _leave(self, msg: km.Finish | km.Release) -> None:
+        """Finish (cache, then drop) or release (drop) a request's blocks. Always answered with
+        ``BlocksFreed`` (also for a stale attempt), so the scheduler can count frees in flight."""
+        rid = msg.request_id
+        if self._current(rid, msg.attempt):
+            try:
+                if isinstance(msg, km.Finish):
+                    freed, reason = self.kv.finish(rid, msg.token_ids), "finished"
+                else:
+                    freed = self.kv.release(rid, preempted=msg.reason == "preempted")
+                    reason = msg.reason
+            except KVError as e:  # bad token ids for the cache: still free the blocks
+                self.log.error("kv.finish_error", request_id=rid, reason=str(e))
+                freed, reason = self.kv.release(rid, preempted=False), "finish_error"
+            self._after_free(rid, reason, freed)
+        s = self.kv.stats()
+        self.send("scheduler", BlocksFreed(free=s.free, evictable=s.evictable))
 
     def stats_reply(self, check: bool) -> km.Stats:
         s = self.kv.stats()
@@ -205,5 +243,3 @@ class KVManagerActor(Actor):
                 self.pending_growth.pop(other, None)
             elif not self._grow(other, attempt, total, report=True):
                 break  # oldest first: the rest wait for the next free
-        s = self.kv.stats()
-        self.send("scheduler", BlocksFreed(free=s.free, evictable=s.evictable))

@@ -166,14 +166,15 @@ async def test_small_pool_refuses_then_admits_with_evictions(tiny_model, tmp_pat
 
 @pytest.mark.deadline(240)
 async def test_decode_shortage_preempts_and_stays_exact(tiny_model, tmp_path):
-    # 12 blocks; prompts of 40 tokens (3 blocks) grow to 40 + 40 = 80 tokens (5 blocks) each.
+    # 12 blocks; prompts of 40 tokens (3 blocks) grow to 40 + 100 = 140 tokens (9 blocks) each:
+    # one fits alone, two running together cannot both finish without a preemption.
     prompts = random_prompts(4, 40, 40, seed=13)
     flags = ("--num-blocks", "12", "--kv-mode", "on_demand")
     with start_runtime(tiny_model, tmp_path / "rt", *flags) as rt:
-        results = await run_all(rt.endpoint, prompts, max_tokens=40, ignore_eos=True)
+        results = await run_all(rt.endpoint, prompts, max_tokens=100, ignore_eos=True)
         preempted = rt.events("request.preempted")
         assert preempted, "no preemption happened"
-        expected = hf_greedy(tiny_model, prompts, 40, ignore_eos=True)
+        expected = hf_greedy(tiny_model, prompts, 100, ignore_eos=True)
         assert [r.token_ids for r in results] == expected
         assert any(r.preemptions for r in results)
         s = await wait_until(lambda: kv_stats(rt))

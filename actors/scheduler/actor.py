@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from actors.base import Actor
 from actors.config import RuntimeConfig
 from actors.scheduler.core import SchedulerCore
+from messages.common import ErrorCode
 from messages.scheduler import (
     Abort,
     AdmitResult,
@@ -17,16 +19,17 @@ from messages.scheduler import (
     SchedulerInbound,
     Submit,
 )
+from messages.tokenizer import RequestFailed
 
 
 class SchedulerActor(Actor):
     name = "scheduler"
     inbound = SchedulerInbound
-    peers = ("tokenizer", "kv_manager", "executor")
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         super().__init__(cfg)
         self.core = SchedulerCore(cfg.scheduler, cfg.kv, self.log)
+        self.settle_until = 0.0
         self.log.info(
             "scheduler.config",
             **dataclasses.asdict(cfg.scheduler),
@@ -34,9 +37,28 @@ class SchedulerActor(Actor):
             block_size=cfg.kv.block_size,
         )
 
+    def on_peer_dead(self, name: str, reason: str) -> None:
+        self.core.reset(reason)
+        self._flush()
+
+    def on_peer_back(self, name: str) -> None:
+        # let every actor notice the death and reset before admitting again
+        self.settle_until = time.monotonic() + 2 * self.hb
+
     def handle(self, ident: bytes, msg: Any) -> None:
         core = self.core
         if isinstance(msg, Submit):
+            if self.down or time.monotonic() < self.settle_until:
+                down = ", ".join(sorted(self.down)) or "an actor restarted"
+                self.send(
+                    "tokenizer",
+                    RequestFailed(
+                        request_id=msg.request_id,
+                        code=ErrorCode.ACTOR_DEAD,
+                        message=f"{down}: not admitting yet, retry",
+                    ),
+                )
+                return
             core.submit(msg)
         elif isinstance(msg, Abort):
             core.abort(msg.request_id, msg.reason)
@@ -48,5 +70,8 @@ class SchedulerActor(Actor):
             core.shortage(msg)
         elif isinstance(msg, BlocksFreed):
             core.blocks_freed(msg)
-        for peer, out in core.take_outbox():
+        self._flush()
+
+    def _flush(self) -> None:
+        for peer, out in self.core.take_outbox():
             self.send(peer, out)

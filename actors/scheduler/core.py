@@ -46,6 +46,7 @@ class SchedulerCore:
         self.running: dict[str, SchedRequest] = {}  # holds blocks (running/preempting/stopping)
         self.admitting: SchedRequest | None = None
         self.kv_blocked = False  # last admission refused: wait for BlocksFreed
+        self.frees_in_flight = 0  # Finish/Release sent, BlocksFreed not yet back
         self.preempting: str | None = None
         self.outbox: list[Outgoing] = []
         self._seq = 0
@@ -54,6 +55,8 @@ class SchedulerCore:
 
     # ---------------------------------------------------------------- helpers
     def _emit(self, peer: str, msg: msgspec.Struct) -> None:
+        if isinstance(msg, (km.Finish, km.Release)):
+            self.frees_in_flight += 1
         self.outbox.append((peer, msg))
 
     def take_outbox(self) -> list[Outgoing]:
@@ -163,7 +166,7 @@ class SchedulerCore:
             )
             if req.abort_reason is not None:
                 self._drop(req)
-            elif msg.fatal or not self.running:
+            elif msg.fatal or (not self.running and not self.frees_in_flight):
                 self._fail(
                     req, ErrorCode.TOO_LONG, f"cannot fit in the KV pool: {msg.reason}", "prompt"
                 )
@@ -302,10 +305,22 @@ class SchedulerCore:
         return max(live, key=lambda r: r.admitted_seq)
 
     def blocks_freed(self, msg: BlocksFreed) -> None:
+        self.frees_in_flight = max(0, self.frees_in_flight - 1)
         if self.kv_blocked:
             self.log.debug("admission.retry", free=msg.free, evictable=msg.evictable)
         self.kv_blocked = False
         self.schedule()
+
+    def reset(self, reason: str) -> None:
+        """An actor died: every request in flight is lost. Fail them all and start empty."""
+        for req in list(self.requests.values()):
+            self._fail(req, ErrorCode.ACTOR_DEAD, f"{reason}; request aborted")
+        self.admitting = None
+        self.preempting = None
+        self.kv_blocked = False
+        self.frees_in_flight = 0
+        self.queue = make_queue(self.cfg.policy)
+        self.log.warning("scheduler.reset", reason=reason)
 
     # ------------------------------------------------------------- admission
     def schedule(self) -> None:
