@@ -143,7 +143,14 @@ class Actor:
             self._on_hello(ident, msg)
         elif isinstance(msg, Ping):
             self.reply(
-                ident, Pong(actor=self.name, nonce=msg.nonce, pid=os.getpid(), boot_id=self.boot_id)
+                ident,
+                Pong(
+                    actor=self.name,
+                    nonce=msg.nonce,
+                    pid=os.getpid(),
+                    boot_id=self.boot_id,
+                    ready=self.is_ready(),
+                ),
             )
         else:
             try:
@@ -247,6 +254,10 @@ class Actor:
         self.log.error("peer.dead", peer=peer.name, reason=reason)
         self.on_peer_dead(peer.name, reason)
 
+    def is_ready(self) -> bool:
+        """Whether this actor takes work now (answered in every Pong)."""
+        return True
+
     def on_peer_dead(self, name: str, reason: str) -> None:
         """Hook: ``name`` died. Every request in flight spans all actors, so by default each
         actor drops (and reports) the requests it holds; see the subclasses."""
@@ -259,8 +270,6 @@ class Actor:
         """Queue ``msg`` for ``peer``; sent now when its queue has room, else by the flusher."""
         p = self.out[peer]
         data = encode(msg)
-        if not p.alive and p.last_seen:
-            return  # dead: the successor must not get messages meant for the process it replaced
         if p.pending or not p.sock.send_nowait([data]):
             p.pending.append(data)
             self._flush_needed.set()

@@ -25,7 +25,16 @@ import zmq
 from actors.transport import ZSocket, open_socket
 from messages import client as cm
 from messages.codec import Decoder, encode
-from messages.common import PROTOCOL_VERSION, ErrorReply, Hello, HelloAck, Pong, SamplingParams
+from messages.common import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    HelloAck,
+    Ping,
+    Pong,
+    SamplingParams,
+)
 from messages.tokenizer import Cancel, ChatMessage, Generate
 
 
@@ -108,8 +117,12 @@ class AsyncClient:
         self._control, self._control_recv = trio.open_memory_channel(64)
         self.welcome: cm.Welcome | None = None
         self._nonce = itertools.count(1)
+        self._last_rx = 0.0
+        self.probe_s = 1.0
+        self.dead_s = 3.0
 
     async def _reader(self) -> None:
+        self._last_rx = trio.current_time()
         while True:
             try:
                 frames = await self.sock.recv()
@@ -118,20 +131,45 @@ class AsyncClient:
                     return  # close() was called: the connection is gone on purpose
                 raise
             msg = self._decoder.decode(frames[-1])
+            self._last_rx = trio.current_time()
             rid = getattr(msg, "request_id", None)
+            if isinstance(msg, Pong):
+                welcome_boot = self.welcome.boot_id if self.welcome else ""
+                if welcome_boot and msg.boot_id and msg.boot_id != welcome_boot:
+                    await self._fail_all("tokenizer service restarted; request lost")
+                continue
             if rid is not None and rid in self._streams:
                 chan = self._streams[rid]
                 await chan.send(msg)
                 if isinstance(msg, (cm.Final, ErrorReply)):
                     self._streams.pop(rid, None)
                     await chan.aclose()
-            elif (
-                isinstance(msg, (cm.Welcome, HelloAck))
-                or (isinstance(msg, Pong) and msg.nonce)
-                or (isinstance(msg, ErrorReply) and rid is None)
+            elif isinstance(msg, (cm.Welcome, HelloAck)) or (
+                isinstance(msg, ErrorReply) and rid is None
             ):
                 await self._control.send(msg)
-            # unsolicited Pongs (liveness probes) and late messages are ignored
+            # late messages of finished requests are ignored
+
+    async def _fail_all(self, reason: str) -> None:
+        for rid, chan in list(self._streams.items()):
+            self._streams.pop(rid, None)
+            await chan.send(ErrorReply(code=ErrorCode.ACTOR_DEAD, message=reason, request_id=rid))
+            await chan.aclose()
+
+    async def _watchdog(self) -> None:
+        """While requests are open, ping the server; fail them all if it stops answering."""
+        while True:
+            await trio.sleep(self.probe_s)
+            if not self._streams or self.sock.closed:
+                continue
+            silent = trio.current_time() - self._last_rx
+            if silent > self.dead_s:
+                await self._fail_all(f"tokenizer service stopped answering ({silent:.1f}s)")
+                continue
+            try:
+                self.sock.send_nowait([encode(Ping(nonce=next(self._nonce)))])
+            except zmq.ZMQError:
+                pass
 
     def close(self) -> None:
         """Drop the connection now; the server aborts this connection's requests."""
@@ -194,10 +232,16 @@ async def open_client(endpoint: str, handshake: bool = True) -> AsyncIterator[As
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._reader)
+            nursery.start_soon(client._watchdog)
             if handshake:
                 await client.hello()
             yield client
             nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # Give the caller the error its own code raised, not a nursery's wrapper.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
         sock.close()
 
@@ -227,14 +271,42 @@ class SyncClient:
     def __exit__(self, *exc: Any) -> None:
         self.sock.close(linger=0)
 
-    def _recv(self) -> Any:
+    def _recv(self, dead_s: float = 3.0) -> Any:
+        """The next message. While waiting, ping the server every second; a server silent for
+        ``dead_s`` seconds (or one that restarted) fails the request with ``actor_dead``."""
+        waited = 0.0
+        silent = 0.0
+        nonce = 0
         while True:
-            if not self.sock.poll(self.timeout_ms):
-                raise TimeoutError(f"no answer from the server in {self.timeout_ms / 1000:.0f}s")
-            msg = self._decoder.decode(self.sock.recv())
-            if isinstance(msg, Pong) and not msg.nonce:
-                continue  # liveness probe
-            return msg
+            if self.sock.poll(1000):
+                msg = self._decoder.decode(self.sock.recv())
+                silent = 0.0
+                if isinstance(msg, Pong):
+                    boot = self.welcome.boot_id if self.welcome else ""
+                    if boot and msg.boot_id and msg.boot_id != boot:
+                        raise RequestError(
+                            ErrorReply(
+                                code=ErrorCode.ACTOR_DEAD, message="tokenizer service restarted"
+                            )
+                        )
+                    continue
+                return msg
+            waited += 1.0
+            silent += 1.0
+            if waited * 1000 >= self.timeout_ms:
+                raise TimeoutError(f"no answer from the server in {waited:.0f}s")
+            if silent > dead_s and self.welcome is not None:
+                raise RequestError(
+                    ErrorReply(
+                        code=ErrorCode.ACTOR_DEAD,
+                        message=f"tokenizer service stopped answering ({silent:.0f}s)",
+                    )
+                )
+            nonce += 1
+            try:
+                self.sock.send(encode(Ping(nonce=nonce)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def stream(self, request: Generate | None = None, **kwargs: Any) -> Iterator[Any]:
         req = request or build_generate(**kwargs)

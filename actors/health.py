@@ -31,11 +31,11 @@ async def ping(endpoint: str, timeout: float = 2.0, nonce: int = 1) -> Pong | No
 
 
 async def wait_ready(endpoint: str, deadline: float, interval: float = 0.2) -> Pong:
-    """Ping until the actor answers; raises TimeoutError after ``deadline`` seconds."""
+    """Ping until the actor answers ready; raises TimeoutError after ``deadline`` seconds."""
     with trio.move_on_after(deadline):
         while True:
             pong = await ping(endpoint, timeout=interval * 5)
-            if pong is not None:
+            if pong is not None and pong.ready:
                 return pong
             await trio.sleep(interval)
     raise TimeoutError(f"{endpoint} did not answer a ping within {deadline:.0f}s")

@@ -124,7 +124,9 @@ class Supervisor:
             if child.restarts >= self.max_restarts:
                 raise RuntimeError(f"{child.name} died {child.restarts + 1} times; giving up")
             child.restarts += 1
-            await trio.sleep(min(0.2 * 2**child.restarts, 5.0))
+            # Wait at least until every peer has declared the dead process dead (3 heartbeats),
+            # so its successor never receives messages meant for it.
+            await trio.sleep(min(max(2.0, 0.5 * 2**child.restarts), 10.0))
             await child.start()
             self.log.info("supervisor.restarted", child=child.name, pid=child.proc.pid)
 

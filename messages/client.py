@@ -13,6 +13,7 @@ class Welcome(Msg, tag="welcome"):
     version: int
     model: str
     max_model_len: int
+    boot_id: str = ""
     ok: bool = True
     reason: str = ""
 

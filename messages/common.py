@@ -59,6 +59,7 @@ class Pong(Msg, tag="pong"):
     nonce: int = 0
     pid: int = 0
     boot_id: str = ""  # changes when the actor restarts
+    ready: bool = True  # false while the actor settles after a (re)start
 
 
 class ErrorReply(Msg, tag="error"):

@@ -74,7 +74,6 @@ class ClientConn:
 class TokenizerService(Actor):
     name = "tokenizer"
     inbound = TokenizerInbound
-    peers = ("scheduler",)
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         super().__init__(cfg)
@@ -155,6 +154,7 @@ class TokenizerService(Actor):
                     version=PROTOCOL_VERSION,
                     model=self.model_name,
                     max_model_len=self.max_model_len,
+                    boot_id=self.boot_id,
                     ok=ok,
                     reason=reason,
                 ),
@@ -168,8 +168,36 @@ class TokenizerService(Actor):
         elif isinstance(msg, Cancel):
             self._abort(msg.request_id, "cancel", notify_client=True)
 
+    def on_peer_dead(self, name: str, reason: str) -> None:
+        for req in list(self.live.values()):
+            self.log.info(
+                "request.failed",
+                request_id=req.request_id,
+                code=ErrorCode.ACTOR_DEAD,
+                reason=reason,
+            )
+            self._to_client(
+                req.ident,
+                ErrorReply(
+                    code=ErrorCode.ACTOR_DEAD,
+                    request_id=req.request_id,
+                    message=f"{reason}; request aborted",
+                ),
+            )
+            self._forget(req)
+
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
         rid = msg.request_id or uuid.uuid4().hex
+        if self.down:
+            self._to_client(
+                ident,
+                ErrorReply(
+                    code=ErrorCode.ACTOR_DEAD,
+                    request_id=rid,
+                    message=f"{', '.join(sorted(self.down))} down; retry when it is back",
+                ),
+            )
+            return
         if rid in self.live:
             self._to_client(
                 ident,

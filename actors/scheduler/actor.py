@@ -29,7 +29,9 @@ class SchedulerActor(Actor):
     def __init__(self, cfg: RuntimeConfig) -> None:
         super().__init__(cfg)
         self.core = SchedulerCore(cfg.scheduler, cfg.kv, self.log)
-        self.settle_until = 0.0
+        # A (re)started scheduler admits nothing until every peer has had time to notice that
+        # its predecessor died and to drop what referred to it.
+        self.settle_until = time.monotonic() + (self.dead_after + 1) * self.hb
         self.log.info(
             "scheduler.config",
             **dataclasses.asdict(cfg.scheduler),
@@ -45,10 +47,13 @@ class SchedulerActor(Actor):
         # let every actor notice the death and reset before admitting again
         self.settle_until = time.monotonic() + 2 * self.hb
 
+    def is_ready(self) -> bool:
+        return not self.down and time.monotonic() >= self.settle_until
+
     def handle(self, ident: bytes, msg: Any) -> None:
         core = self.core
         if isinstance(msg, Submit):
-            if self.down or time.monotonic() < self.settle_until:
+            if not self.is_ready():
                 down = ", ".join(sorted(self.down)) or "an actor restarted"
                 self.send(
                     "tokenizer",
