@@ -312,8 +312,19 @@ class SchedulerCore:
         self.schedule()
 
     def reset(self, reason: str) -> None:
-        """An actor died: every request in flight is lost. Fail them all and start empty."""
+        """An actor died: every request in flight is lost. Fail them all and start empty. Blocks
+        held for them are released and the executor told to stop them (both ignore requests they
+        no longer know, e.g. when they are the ones that restarted)."""
         for req in list(self.requests.values()):
+            if req.status.holds_blocks or req.status is Status.ADMITTING:
+                self._emit(
+                    "executor",
+                    xm.Stop(request_id=req.request_id, attempt=req.attempt, reason="reset"),
+                )
+                self._emit(
+                    "kv_manager",
+                    km.Release(request_id=req.request_id, attempt=req.attempt, reason="reset"),
+                )
             self._fail(req, ErrorCode.ACTOR_DEAD, f"{reason}; request aborted")
         self.admitting = None
         self.preempting = None
