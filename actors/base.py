@@ -42,6 +42,7 @@ class Actor:
     inbound: Any = None
     peers: tuple[str, ...] = ("tokenizer", "scheduler", "kv_manager", "executor")
     dead_after = 3.0  # heartbeats of silence before a peer is declared dead
+    replies: Any = None  # extra message types peers answer on our DEALERs (see on_peer_reply)
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         self.cfg = cfg
@@ -51,7 +52,10 @@ class Actor:
         self.decoder: Decoder[Any] = Decoder(self.inbound)
         self.inbox: ZSocket | None = None
         self.out: dict[str, Peer] = {}
-        self._reply_decoder: Decoder[Any] = Decoder(HelloAck | Pong | ErrorReply)
+        base_replies: Any = HelloAck | Pong | ErrorReply
+        self._reply_decoder: Decoder[Any] = Decoder(
+            base_replies if self.replies is None else base_replies | self.replies
+        )
         self._flush_needed = trio.Event()
         self.hb = cfg.heartbeat_s
         self.down: set[str] = set()  # peers declared dead and not back yet
@@ -231,6 +235,11 @@ class Actor:
                     reason=msg.message,
                     request_id=msg.request_id,
                 )
+            else:
+                self.on_peer_reply(peer.name, msg)
+
+    def on_peer_reply(self, peer: str, msg: Any) -> None:
+        """Hook: a reply of one of ``replies``' types from ``peer``."""
 
     async def _heartbeat(self) -> None:
         """Ping every peer each ``heartbeat_s``; declare dead the ones silent for too long."""

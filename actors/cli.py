@@ -42,7 +42,8 @@ def _make_model(args: argparse.Namespace) -> int:
 _BENCH_MODES = {
     "executor": "gpu.bench_executor",  # W1 through the executor alone vs transformers
     "kv": "actors.kv.bench",  # KV manager admit/evict micro-benchmark
-    "transport": "actors.transport_bench",  # messages/s and round-trip latency between processes
+    "transport": "actors.transport_bench",
+    "scheduler": "actors.scheduler.bench",  # one scheduling decision vs queue size  # messages/s and round-trip latency between processes
 }
 
 

@@ -43,10 +43,13 @@ class KVConfig:
 
 @dataclass
 class SchedulerConfig:
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # fcfs | priority | sjf | lpm
     max_batch_size: int = 256
-    max_waiting: int = 4096
-    max_preemptions: int = 3  # past this, re-admit with a full reservation
+    max_waiting: int = 4096  # past this, new requests are answered "overloaded" at once
+    max_preemptions: int = 3  # past this, re-admit with a full reservation (no more thrash)
+    max_wait_s: float = 60.0  # aging: a request waiting longer goes first, whatever the policy
+    priority_preemption: bool = False  # priority policy: may preempt running lower-priority work
+    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:PORT (0: any free port)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from actors.base import Actor
 from actors.config import RuntimeConfig
 from actors.scheduler.core import SchedulerCore
 from messages.common import ErrorCode
+from messages.kv import MatchReply
 from messages.scheduler import (
     Abort,
     AdmitResult,
@@ -25,6 +26,7 @@ from messages.tokenizer import RequestFailed
 class SchedulerActor(Actor):
     name = "scheduler"
     inbound = SchedulerInbound
+    replies = MatchReply
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         super().__init__(cfg)
@@ -38,6 +40,11 @@ class SchedulerActor(Actor):
             kv_mode=cfg.kv.mode,
             block_size=cfg.kv.block_size,
         )
+
+    def on_peer_reply(self, peer: str, msg: Any) -> None:
+        if isinstance(msg, MatchReply):
+            self.core.match_reply(msg)
+            self._flush()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
         self.core.reset(reason)

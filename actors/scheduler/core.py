@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from actors.config import KVConfig, SchedulerConfig
-from actors.scheduler.queue import make_queue
+from actors.scheduler.queue import LPMQueue, make_queue
 from actors.scheduler.state import SchedRequest, Status
 from messages import executor as xm
 from messages import kv as km
@@ -41,7 +41,8 @@ class SchedulerCore:
         self.kv = kv
         self.log = log
         self.clock = clock
-        self.queue = make_queue(cfg.policy)
+        self.queue = make_queue(cfg.policy, cfg.max_wait_s)
+        self.matching = False  # lpm: a MatchQuery is out
         self.requests: dict[str, SchedRequest] = {}
         self.running: dict[str, SchedRequest] = {}  # holds blocks (running/preempting/stopping)
         self.admitting: SchedRequest | None = None
@@ -254,7 +255,11 @@ class SchedulerCore:
             req.preemptions += 1
             req.status = Status.WAITING
             req.enqueued = self.clock()
-            self.queue.push_front(req)
+            if req.yield_to_priority:  # preempted for a more important request: queue by policy
+                req.yield_to_priority = False
+                self.queue.push(req)
+            else:
+                self.queue.push_front(req)
             self.log.info(
                 "request.requeued",
                 request_id=rid,
@@ -281,6 +286,16 @@ class SchedulerCore:
         victim = self.pick_victim()
         if victim is None:
             return
+        self._preempt(
+            victim,
+            msg.request_id,
+            self.kv.victim_policy,
+            blocks_needed=msg.blocks_needed,
+            blocks_free=msg.blocks_free,
+        )
+
+    def _preempt(self, victim: SchedRequest, for_request: str, policy: str, **why: Any) -> None:
+        """Stop ``victim`` in the executor; it is requeued once the executor confirms."""
         self.preempting = victim.request_id
         victim.status = Status.PREEMPTING
         self.counters["preemptions"] += 1
@@ -288,10 +303,9 @@ class SchedulerCore:
             "request.preempted",
             request_id=victim.request_id,
             attempt=victim.attempt,
-            for_request=msg.request_id,
-            policy=self.kv.victim_policy,
-            blocks_needed=msg.blocks_needed,
-            blocks_free=msg.blocks_free,
+            for_request=for_request,
+            policy=policy,
+            **why,
         )
         self._emit("executor", xm.Preempt(request_id=victim.request_id, attempt=victim.attempt))
 
@@ -330,19 +344,33 @@ class SchedulerCore:
         self.preempting = None
         self.kv_blocked = False
         self.frees_in_flight = 0
-        self.queue = make_queue(self.cfg.policy)
+        self.queue = make_queue(self.cfg.policy, self.cfg.max_wait_s)
+        self.matching = False
         self.log.warning("scheduler.reset", reason=reason)
 
     # ------------------------------------------------------------- admission
     def schedule(self) -> None:
-        """Offer the queue's head to the KV manager if nothing blocks admission."""
-        if self.admitting is not None or self.kv_blocked:
+        """Offer the next request (by policy) to the KV manager if nothing blocks admission."""
+        if self.admitting is not None or self.matching:
             return
-        if len(self.running) >= self.cfg.max_batch_size:
+        now = self.clock()
+        if self.kv_blocked or len(self.running) >= self.cfg.max_batch_size:
+            self._maybe_preempt_for_priority(now)
             return
-        req = self.queue.peek()
+        if isinstance(self.queue, LPMQueue):
+            cands = self.queue.candidates()
+            if cands and self.queue.scores_for != [r.request_id for r in cands]:
+                self.matching = True
+                self.queue.scores_for = [r.request_id for r in cands]
+                self._emit("kv_manager", km.MatchQuery(token_lists=[r.tokens_now() for r in cands]))
+                return
+        req = self.queue.peek(now)
         if req is None:
             return
+        if self.queue.aged(req, now):
+            self.log.info(
+                "request.aged", request_id=req.request_id, waited_s=round(now - req.enqueued, 3)
+            )
         req.status = Status.ADMITTING
         req.attempt += 1
         self.admitting = req
@@ -355,4 +383,37 @@ class SchedulerCore:
                 token_ids=tokens,
                 reserve_tokens=self._reserve(req),
             ),
+        )
+
+    def match_reply(self, msg: km.MatchReply) -> None:
+        """lpm: cached prefix lengths of the candidates, in the order they were asked."""
+        self.matching = False
+        if isinstance(self.queue, LPMQueue):
+            ids = self.queue.scores_for
+            self.queue.set_scores(dict(zip(ids, msg.cached_tokens, strict=False)))
+        self.schedule()
+        if isinstance(self.queue, LPMQueue):
+            self.queue.scores_for = []  # the cache changes with every admission: ask again next time
+
+    def _maybe_preempt_for_priority(self, now: float) -> None:
+        """With ``priority_preemption``, a waiting request that is more important (lower
+        priority value) than a running one preempts it when admission is blocked."""
+        if not self.cfg.priority_preemption or self.preempting is not None:
+            return
+        head = self.queue.peek(now)
+        if head is None:
+            return
+        live = [r for r in self.running.values() if r.status is Status.RUNNING]
+        if not live:
+            return
+        victim = max(live, key=lambda r: (r.priority, r.admitted_seq))
+        if victim.priority <= head.priority:
+            return
+        victim.yield_to_priority = True
+        self._preempt(
+            victim,
+            head.request_id,
+            "priority",
+            victim_priority=victim.priority,
+            waiting_priority=head.priority,
         )

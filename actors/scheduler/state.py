@@ -38,6 +38,7 @@ class SchedRequest:
     admitted_seq: int = 0  # order of the latest admission (for the newest-first victim policy)
     output_ids: list[int] = field(default_factory=list)  # generated in earlier attempts
     preemptions: int = 0
+    yield_to_priority: bool = False  # preempted by priority: requeue by policy, not first
     abort_reason: str | None = None  # set when an abort arrives while an answer is pending
     queue_s: float = 0.0
 

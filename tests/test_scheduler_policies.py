@@ -1,0 +1,139 @@
+"""Admission policies on constructed queues: order, aging, lpm, priority preemption."""
+
+from __future__ import annotations
+
+import structlog
+
+from actors.config import KVConfig, SchedulerConfig
+from actors.scheduler.core import SchedulerCore
+from actors.scheduler.queue import LPMQueue, PriorityQueue, SJFQueue, WaitingQueue, make_queue
+from actors.scheduler.state import SchedRequest
+from messages import executor as xm
+from messages import kv as km
+from messages.common import SamplingParams
+from messages.scheduler import AdmitResult, RequestDone, Submit
+
+
+def req(rid: str, n: int = 4, priority: int = 0, seq: int = 0, t: float = 0.0) -> SchedRequest:
+    return SchedRequest(rid, list(range(n)), SamplingParams(priority=priority), 0.0, t, seq)
+
+
+def drain(q: WaitingQueue, now: float = 0.0) -> list[str]:
+    out = []
+    while (r := q.peek(now)) is not None:
+        out.append(r.request_id)
+        q.remove(r.request_id)
+    return out
+
+
+def fill(q: WaitingQueue, specs):
+    for i, (rid, n, prio) in enumerate(specs):
+        q.push(req(rid, n, prio, seq=i, t=float(i)))
+    return q
+
+
+SPECS = [("a", 50, 2), ("b", 10, 1), ("c", 30, 0), ("d", 10, 0)]
+
+
+def test_fcfs_order_is_arrival():
+    assert drain(fill(WaitingQueue(), SPECS)) == ["a", "b", "c", "d"]
+
+
+def test_priority_order_lower_value_first_ties_by_arrival():
+    assert drain(fill(PriorityQueue(), SPECS)) == ["c", "d", "b", "a"]
+
+
+def test_sjf_order_shortest_prompt_first_ties_by_arrival():
+    assert drain(fill(SJFQueue(), SPECS)) == ["b", "d", "c", "a"]
+
+
+def test_preempted_request_goes_first_under_every_policy():
+    for name in ("fcfs", "priority", "sjf", "lpm"):
+        q = fill(make_queue(name), SPECS)
+        q.push_front(req("victim", 500, 9, seq=99, t=50.0))
+        assert q.peek(0.0).request_id == "victim", name
+
+
+def test_aging_rescues_a_starved_long_request_under_sjf():
+    q = SJFQueue(max_wait_s=10.0)
+    q.push(req("long", 2000, seq=0, t=0.0))
+    for i in range(1, 50):  # a stream of short requests keeps arriving
+        q.push(req(f"s{i}", 10, seq=i, t=float(i) * 0.1))
+    assert q.peek(now=5.0).request_id != "long"  # sjf alone would starve it
+    assert q.peek(now=10.5).request_id == "long"  # waited > max_wait_s: it goes first
+
+
+def test_lpm_picks_the_request_with_the_longest_cached_prefix():
+    q = fill(LPMQueue(), SPECS)
+    assert [r.request_id for r in q.candidates()] == ["a", "b", "c", "d"]
+    q.set_scores({"a": 0, "b": 16, "c": 48, "d": 16})
+    assert q.peek(0.0).request_id == "c"
+
+
+def test_lpm_falls_back_to_fcfs_on_a_long_queue():
+    q = LPMQueue(window=4, fallback=8)
+    for i in range(10):
+        q.push(req(f"r{i}", seq=i, t=float(i)))
+    assert q.candidates() == []
+    q.set_scores({"r5": 64})
+    assert q.peek(0.0).request_id == "r0"
+
+
+def _core(policy="fcfs", **kw):
+    cfg = SchedulerConfig(policy=policy, max_batch_size=kw.pop("max_batch", 8), **kw)
+    return SchedulerCore(cfg, KVConfig(block_size=4), structlog.get_logger(), lambda: 0.0)
+
+
+def _submit(core, rid, n=4, priority=0):
+    core.submit(
+        Submit(
+            request_id=rid,
+            prompt_ids=list(range(1, n + 1)),
+            params=SamplingParams(priority=priority),
+            arrival=0.0,
+        )
+    )
+
+
+def test_lpm_core_asks_kv_for_matches_then_admits_the_cached_request():
+    core = _core("lpm")
+    _submit(core, "a")  # admitted at once (no choice to make)
+    core.admit_result(AdmitResult(request_id="a", attempt=1, ok=True, block_table=[0]))
+    core.admitting = None
+    core.matching = False
+    core.outbox.clear()
+    # block admission while the queue fills up, then let the policy choose
+    core.admitting = core.requests["a"]
+    _submit(core, "b")
+    _submit(core, "c")
+    core.admitting = None
+    core.schedule()
+    [q] = [m for _, m in core.take_outbox() if isinstance(m, km.MatchQuery)]
+    assert len(q.token_lists) == 2
+    core.match_reply(km.MatchReply(cached_tokens=[0, 4]))
+    [ask] = [m for _, m in core.take_outbox() if isinstance(m, km.Admit)]
+    assert ask.request_id == "c"
+
+
+def test_priority_preemption_only_when_configured():
+    for enabled in (False, True):
+        core = _core("priority", max_batch=1, priority_preemption=enabled)
+        _submit(core, "low", priority=5)
+        core.admit_result(AdmitResult(request_id="low", attempt=1, ok=True, block_table=[0]))
+        core.take_outbox()
+        _submit(core, "urgent", priority=0)
+        pre = [m for _, m in core.take_outbox() if isinstance(m, xm.Preempt)]
+        assert [p.request_id for p in pre] == (["low"] if enabled else [])
+        if enabled:
+            core.request_done(
+                RequestDone(request_id="low", attempt=1, status="preempted", output_ids=[9])
+            )
+            asks = [m for _, m in core.take_outbox() if isinstance(m, km.Admit)]
+            assert asks and asks[0].request_id == "urgent"  # then "low" again, first of the rest
+
+
+def test_scheduler_bench_keeps_batch_and_queue_sizes():
+    from actors.scheduler.bench import measure
+
+    for policy in ("fcfs", "lpm"):
+        assert measure(policy, waiting=300, running=32, decisions=20) > 0
