@@ -73,6 +73,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="admission policy (fcfs)")
     p.add_argument("--max-batch-size", type=int)
     p.add_argument("--max-waiting", type=int)
+    p.add_argument("--max-wait-s", type=float, help="aging bound: waiting longer goes first")
+    p.add_argument("--priority-preemption", action="store_true", default=None)
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on 127.0.0.1:PORT")
     p.add_argument("--chunk-cap", type=int, help="max prefill tokens per request per step")
     p.add_argument("--step-budget", type=int, help="max tokens per step")
     p.add_argument("--device")
@@ -93,6 +96,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "policy": ("scheduler", "policy"),
         "max_batch_size": ("scheduler", "max_batch_size"),
         "max_waiting": ("scheduler", "max_waiting"),
+        "max_wait_s": ("scheduler", "max_wait_s"),
+        "priority_preemption": ("scheduler", "priority_preemption"),
+        "metrics_port": ("scheduler", "metrics_port"),
         "chunk_cap": ("executor", "chunk_cap"),
         "step_budget": ("executor", "step_budget"),
         "device": ("executor", "device"),

@@ -107,7 +107,12 @@ class KVManagerActor(Actor):
                 freed, reason = self.kv.release(rid, preempted=False), "finish_error"
             self._after_free(rid, reason, freed)
         s = self.kv.stats()
-        self.send("scheduler", BlocksFreed(free=s.free, evictable=s.evictable))
+        self.send(
+            "scheduler",
+            BlocksFreed(
+                free=s.free, evictable=s.evictable, in_use=s.in_use, num_blocks=s.num_blocks
+            ),
+        )
 
     def stats_reply(self, check: bool) -> km.Stats:
         s = self.kv.stats()
@@ -190,6 +195,8 @@ class KVManagerActor(Actor):
                 block_table=res.block_table,
                 cached_tokens=res.cached_tokens,
                 evicted=res.evicted_blocks,
+                in_use=self.kv.stats().in_use,
+                num_blocks=self.kv.pool.num_blocks,
             ),
         )
 

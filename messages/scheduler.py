@@ -36,6 +36,8 @@ class AdmitResult(Msg, tag="admit_result"):
     blocks_free: int = 0
     blocks_evictable: int = 0
     fatal: bool = False  # the request can never fit (larger than the whole pool)
+    in_use: int = 0  # blocks held by running requests after this decision (for metrics)
+    num_blocks: int = 0
 
 
 class GrowthShortage(Msg, tag="shortage"):
@@ -53,6 +55,8 @@ class BlocksFreed(Msg, tag="freed"):
 
     free: int
     evictable: int
+    in_use: int = 0
+    num_blocks: int = 0
 
 
 class RequestDone(Msg, tag="done"):
@@ -73,6 +77,28 @@ class RequestDone(Msg, tag="done"):
     field: str | None = None
 
 
+class Completed(Msg, tag="completed"):
+    """Tokenizer -> scheduler: a request ended (for metrics). Seconds for the timings."""
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    e2e_s: float = 0.0
+
+
 SchedulerInbound = (
-    Hello | Ping | Submit | Abort | AdmitResult | GrowthShortage | BlocksFreed | RequestDone
+    Hello
+    | Ping
+    | Submit
+    | Abort
+    | AdmitResult
+    | GrowthShortage
+    | BlocksFreed
+    | RequestDone
+    | Completed
 )

@@ -29,7 +29,7 @@ from actors.transport import ZSocket, open_socket
 from messages import client as cm
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Ping, Pong
-from messages.scheduler import Abort, Submit
+from messages.scheduler import Abort, Completed, Submit
 from messages.tokenizer import (
     Cancel,
     FromClient,
@@ -331,6 +331,20 @@ class TokenizerService(Actor):
                 timings=timings,
                 stop_reason=stop_reason,
                 preemptions=max(0, req.attempts - 1),
+            ),
+        )
+        self.send(
+            "scheduler",
+            Completed(
+                request_id=req.request_id,
+                finish_reason=reason,
+                prompt_tokens=req.prompt_tokens,
+                completion_tokens=n,
+                cached_tokens=req.cached_tokens,
+                queue_s=timings.queue_s,
+                ttft_s=timings.ttft_s,
+                tpot_s=timings.tpot_s,
+                e2e_s=timings.total_s,
             ),
         )
         self.log.info(

@@ -6,15 +6,19 @@ import dataclasses
 import time
 from typing import Any
 
+import trio
+
 from actors.base import Actor
 from actors.config import RuntimeConfig
 from actors.scheduler.core import SchedulerCore
+from actors.scheduler.metrics import Metrics, serve_metrics
 from messages.common import ErrorCode
 from messages.kv import MatchReply
 from messages.scheduler import (
     Abort,
     AdmitResult,
     BlocksFreed,
+    Completed,
     GrowthShortage,
     RequestDone,
     SchedulerInbound,
@@ -34,12 +38,23 @@ class SchedulerActor(Actor):
         # A (re)started scheduler admits nothing until every peer has had time to notice that
         # its predecessor died and to drop what referred to it.
         self.settle_until = time.monotonic() + (self.dead_after + 1) * self.hb
+        self.metrics = Metrics(
+            waiting=lambda: len(self.core.queue),
+            running=lambda: len(self.core.running),
+            preemptions=lambda: self.core.counters["preemptions"],
+        )
         self.log.info(
             "scheduler.config",
             **dataclasses.asdict(cfg.scheduler),
             kv_mode=cfg.kv.mode,
             block_size=cfg.kv.block_size,
         )
+
+    async def start_tasks(self, nursery: trio.Nursery) -> None:
+        if self.cfg.scheduler.metrics_port is not None:
+            await nursery.start(
+                serve_metrics, self.metrics, self.cfg.scheduler.metrics_port, self.log
+            )
 
     def on_peer_reply(self, peer: str, msg: Any) -> None:
         if isinstance(msg, MatchReply):
@@ -76,12 +91,17 @@ class SchedulerActor(Actor):
             core.abort(msg.request_id, msg.reason)
         elif isinstance(msg, AdmitResult):
             core.admit_result(msg)
+            if msg.ok:
+                self.metrics.kv(msg.in_use, msg.num_blocks)
         elif isinstance(msg, RequestDone):
             core.request_done(msg)
         elif isinstance(msg, GrowthShortage):
             core.shortage(msg)
         elif isinstance(msg, BlocksFreed):
             core.blocks_freed(msg)
+            self.metrics.kv(msg.in_use, msg.num_blocks)
+        elif isinstance(msg, Completed):
+            self.metrics.completed(msg)
         self._flush()
 
     def _flush(self) -> None:
