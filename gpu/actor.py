@@ -9,6 +9,7 @@ lookahead), so a step never waits on a round trip. It blocks only when it has no
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import trio
@@ -76,7 +77,6 @@ class _Flight:
 class ExecutorActor(Actor):
     name = "executor"
     inbound = xm.ExecutorInbound
-    peers = ("scheduler", "kv_manager", "tokenizer")
 
     def __init__(self, cfg: RuntimeConfig, executor: Executor | None = None) -> None:
         super().__init__(cfg)
@@ -93,6 +93,8 @@ class ExecutorActor(Actor):
             threads=x.threads,
         )
         self.flight: dict[str, _Flight] = {}
+        self.mailbox: deque[Any] = deque()
+        self.wake = trio.Event()
         self.steps = 0
         self.lookahead = cfg.kv.lookahead_blocks * cfg.kv.block_size
         self.log.info(
@@ -108,16 +110,22 @@ class ExecutorActor(Actor):
         )
 
     # ------------------------------------------------------------------ loop
+    async def start_tasks(self, nursery: trio.Nursery) -> None:
+        # The inbox reader answers pings and handshakes at once, even mid-step (the step runs in
+        # a worker thread), and parks every other message in the mailbox for the next step start.
+        nursery.start_soon(super().main_loop)
+
     async def main_loop(self) -> None:
-        assert self.inbox is not None
         while True:
             t0 = time.perf_counter()
-            self.drain_inbox()
+            while self.mailbox:
+                self._apply(self.mailbox.popleft())
             if not self.ex.has_work():
-                await self.inbox.wait_readable()
+                self.wake = trio.Event()
+                await self.wake.wait()
                 continue
             t1 = time.perf_counter()
-            result = self.ex.step()
+            result = await trio.to_thread.run_sync(self.ex.step)
             t2 = time.perf_counter()
             self._publish(result)
             t3 = time.perf_counter()
@@ -134,13 +142,9 @@ class ExecutorActor(Actor):
                     step_s=round(t2 - t1, 6),
                     control_s=round((t1 - t0) + (t3 - t2), 6),
                 )
-            await trio.sleep(0)
 
     # -------------------------------------------------------------- inbound
     def handle(self, ident: bytes, msg: Any) -> None:
-        if isinstance(msg, xm.Run):
-            self._run(msg)
-            return
         if isinstance(msg, xm.Stats):
             self.reply(
                 ident,
@@ -152,6 +156,20 @@ class ExecutorActor(Actor):
                     max_model_len=self.ex.max_model_len,
                 ),
             )
+            return
+        self.mailbox.append(msg)
+        self.wake.set()
+
+    def on_peer_dead(self, name: str, reason: str) -> None:
+        self.mailbox.clear()
+        for rid in list(self.flight):
+            self.ex.abort(rid)
+        self.log.warning("executor.reset", reason=reason, dropped=len(self.flight))
+        self.flight.clear()
+
+    def _apply(self, msg: Any) -> None:
+        if isinstance(msg, xm.Run):
+            self._run(msg)
             return
         fl = self.flight.get(msg.request_id)
         if fl is None or fl.attempt != msg.attempt:

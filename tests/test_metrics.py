@@ -20,7 +20,7 @@ async def test_metrics_endpoint_counts_requests_and_latencies(tiny_model, tmp_pa
                 await client.generate(prompt_ids=[3 + i, 4, 5, 6], max_tokens=5)
 
         def scrape() -> dict:
-            with urllib.request.urlopen(listening["url"], timeout=5) as resp:  # noqa: S310
+            with urllib.request.urlopen(listening["url"], timeout=5) as resp:
                 assert resp.status == 200
                 text = resp.read().decode()
             return {
@@ -40,5 +40,5 @@ async def test_metrics_endpoint_counts_requests_and_latencies(tiny_model, tmp_pa
         assert 0.0 <= samples["minirt:kv_cache_usage_perc"] <= 1.0
         assert "minirt:num_preemptions_total" in samples
         with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(listening["url"].replace("/metrics", "/nope"), timeout=5)  # noqa: S310
+            urllib.request.urlopen(listening["url"].replace("/metrics", "/nope"), timeout=5)
         assert info.value.code == 404

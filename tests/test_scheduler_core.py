@@ -25,7 +25,9 @@ def make(max_waiting=100, max_batch=8, mode="on_demand", max_preemptions=3):
 
     clock = Clock()
     core = SchedulerCore(
-        SchedulerConfig(max_waiting=max_waiting, max_batch_size=max_batch, max_preemptions=max_preemptions),
+        SchedulerConfig(
+            max_waiting=max_waiting, max_batch_size=max_batch, max_preemptions=max_preemptions
+        ),
         KVConfig(mode=mode, block_size=4, lookahead_blocks=1),
         structlog.get_logger(),
         clock,
@@ -34,16 +36,28 @@ def make(max_waiting=100, max_batch=8, mode="on_demand", max_preemptions=3):
 
 
 def submit(core, rid, n=6, max_tokens=8):
-    core.submit(Submit(request_id=rid, prompt_ids=list(range(1, n + 1)),
-                       params=SamplingParams(max_tokens=max_tokens), arrival=0.0))
+    core.submit(
+        Submit(
+            request_id=rid,
+            prompt_ids=list(range(1, n + 1)),
+            params=SamplingParams(max_tokens=max_tokens),
+            arrival=0.0,
+        )
+    )
 
 
 def sent(core, peer=None, kind=None):
-    return [m for p, m in core.take_outbox() if (peer is None or p == peer) and (kind is None or isinstance(m, kind))]
+    return [
+        m
+        for p, m in core.take_outbox()
+        if (peer is None or p == peer) and (kind is None or isinstance(m, kind))
+    ]
 
 
 def admit_ok(core, rid, attempt=1, table=(0, 1, 2)):
-    core.admit_result(AdmitResult(request_id=rid, attempt=attempt, ok=True, block_table=list(table)))
+    core.admit_result(
+        AdmitResult(request_id=rid, attempt=attempt, ok=True, block_table=list(table))
+    )
 
 
 def test_fcfs_admits_one_at_a_time_in_arrival_order():
@@ -76,8 +90,17 @@ def test_refusal_waits_for_freed_blocks_then_retries():
     submit(core, "b")
     sent(core)
     with capture_logs() as logs:
-        core.admit_result(AdmitResult(request_id="b", attempt=1, ok=False, reason="short",
-                                      blocks_needed=3, blocks_free=1, blocks_evictable=0))
+        core.admit_result(
+            AdmitResult(
+                request_id="b",
+                attempt=1,
+                ok=False,
+                reason="short",
+                blocks_needed=3,
+                blocks_free=1,
+                blocks_evictable=0,
+            )
+        )
     refused = [e for e in logs if e["event"] == "admission.refused"]
     assert refused and refused[0]["blocks_needed"] == 3 and refused[0]["blocks_free"] == 1
     assert not sent(core, "kv_manager", km.Admit)  # parked, no busy loop
@@ -90,8 +113,9 @@ def test_refusal_with_nothing_running_fails_the_request():
     core, _ = make()
     submit(core, "big")
     sent(core)
-    core.admit_result(AdmitResult(request_id="big", attempt=1, ok=False, reason="pool too small",
-                                  fatal=True))
+    core.admit_result(
+        AdmitResult(request_id="big", attempt=1, ok=False, reason="pool too small", fatal=True)
+    )
     [fail] = sent(core, "tokenizer", tm.RequestFailed)
     assert fail.code == "too_long" and "pool too small" in fail.message
 
@@ -112,11 +136,16 @@ def test_shortage_preempts_newest_and_requeues_it_first_with_its_tokens():
     admit_ok(core, "b")
     submit(core, "c")
     sent(core)
-    core.shortage(GrowthShortage(request_id="a", attempt=1, blocks_needed=1, blocks_free=0,
-                                 blocks_evictable=0))
+    core.shortage(
+        GrowthShortage(
+            request_id="a", attempt=1, blocks_needed=1, blocks_free=0, blocks_evictable=0
+        )
+    )
     [pre] = sent(core, "executor", xm.Preempt)
     assert pre.request_id == "b"  # newest admitted
-    core.request_done(RequestDone(request_id="b", attempt=1, status="preempted", output_ids=[50, 51]))
+    core.request_done(
+        RequestDone(request_id="b", attempt=1, status="preempted", output_ids=[50, 51])
+    )
     out = core.take_outbox()
     assert any(isinstance(m, km.Release) and m.request_id == "b" for _, m in out)
     # c was admitting; once it resolves, b (requeued at the front) goes before anything newer
@@ -142,8 +171,16 @@ def test_finished_request_is_cached_by_the_kv_manager():
     submit(core, "a")
     admit_ok(core, "a")
     sent(core)
-    core.request_done(RequestDone(request_id="a", attempt=1, status="finished",
-                                  kv_token_ids=[1, 2, 3], output_ids=[9], finish_reason="stop"))
+    core.request_done(
+        RequestDone(
+            request_id="a",
+            attempt=1,
+            status="finished",
+            kv_token_ids=[1, 2, 3],
+            output_ids=[9],
+            finish_reason="stop",
+        )
+    )
     [fin] = sent(core, "kv_manager", km.Finish)
     assert fin.token_ids == [1, 2, 3]
     assert not core.requests and not core.running
@@ -155,10 +192,14 @@ def test_repeatedly_preempted_request_gets_a_full_reservation():
     for attempt in (1, 2):
         admit_ok(core, "a", attempt=attempt)
         sent(core)
-        core.shortage(GrowthShortage(request_id="a", attempt=attempt, blocks_needed=1, blocks_free=0,
-                                     blocks_evictable=0))
-        core.request_done(RequestDone(request_id="a", attempt=attempt, status="preempted",
-                                      output_ids=[7]))
+        core.shortage(
+            GrowthShortage(
+                request_id="a", attempt=attempt, blocks_needed=1, blocks_free=0, blocks_evictable=0
+            )
+        )
+        core.request_done(
+            RequestDone(request_id="a", attempt=attempt, status="preempted", output_ids=[7])
+        )
     asks = sent(core, "kv_manager", km.Admit)
     assert asks[-1].attempt == 3
     assert asks[-1].reserve_tokens == 8 + 6  # prompt+2 outputs, plus the 6 tokens still allowed

@@ -28,17 +28,48 @@ def test_generate_events_and_ctrl_c_leaves_no_process(tiny_model, tmp_path):
     run_dir = tmp_path / "rt"
     with start_runtime(tiny_model, run_dir) as rt:
         cli = [sys.executable, "-m", "actors.cli"]
-        out = subprocess.run([*cli, "generate", "--run-dir", str(run_dir), "--json", "--max-tokens", "5",
-                              "hello world"], capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [
+                *cli,
+                "generate",
+                "--run-dir",
+                str(run_dir),
+                "--json",
+                "--max-tokens",
+                "5",
+                "hello world",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         result = json.loads(out.stdout)
         assert result["usage"]["completion_tokens"] == len(result["token_ids"]) >= 1
-        streamed = subprocess.run([*cli, "generate", "--run-dir", str(run_dir), "--max-tokens", "5",
-                                   "hello"], capture_output=True, text=True, timeout=60, check=True)
+        streamed = subprocess.run(
+            [*cli, "generate", "--run-dir", str(run_dir), "--max-tokens", "5", "hello"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         assert "[" in streamed.stderr  # finish reason and usage line
-        trace = subprocess.run([*cli, "trace", result["request_id"], "--run-dir", str(run_dir)],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
-        for event in ("request.received", "request.queued", "request.admitted", "kv.allocated",
-                      "request.prefill_done", "request.finished", "request.completed"):
+        trace = subprocess.run(
+            [*cli, "trace", result["request_id"], "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        for event in (
+            "request.received",
+            "request.queued",
+            "request.admitted",
+            "kv.allocated",
+            "request.prefill_done",
+            "request.finished",
+            "request.completed",
+        ):
             assert event in trace, event
         pids = [rt.pid_of(a) for a in ("tokenizer", "scheduler", "kv_manager", "executor")]
         assert all(_alive(p) for p in pids)
