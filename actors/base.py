@@ -52,6 +52,8 @@ class Actor:
         self.decoder: Decoder[Any] = Decoder(self.inbound)
         self.inbox: ZSocket | None = None
         self.out: dict[str, Peer] = {}
+        self.curve: Any = None
+        self.authenticator: Any = None
         base_replies: Any = HelloAck | Pong | ErrorReply
         self._reply_decoder: Decoder[Any] = Decoder(
             base_replies if self.replies is None else base_replies | self.replies
@@ -61,23 +63,30 @@ class Actor:
         self.down: set[str] = set()  # peers declared dead and not back yet
 
     # ------------------------------------------------------------------ setup
+    def socket(self, kind: int, bind: str | None = None, connect: tuple[str, ...] = ()) -> ZSocket:
+        """A socket with this runtime's size limit and security settings."""
+        return open_socket(
+            self.ctx,
+            kind,
+            bind=bind,
+            connect=connect,
+            max_msg_size=self.cfg.max_msg_size,
+            curve=self.curve,
+            allow_remote=self.cfg.security.allow_remote,
+        )
+
     def open(self) -> None:
         """Bind the inbox and connect to peers (no waiting: zmq connects in the background)."""
-        self.inbox = open_socket(
-            self.ctx,
-            zmq.ROUTER,
-            bind=self.cfg.endpoints.of(self.name),
-            max_msg_size=self.cfg.max_msg_size,
-        )
+        self.curve = self.cfg.curve_keys()
+        if self.curve is not None:
+            from actors.security import start_authenticator
+
+            self.authenticator = start_authenticator(self.ctx, self.curve)
+        self.inbox = self.socket(zmq.ROUTER, bind=self.cfg.endpoints.of(self.name))
         for peer in self.peers:
             if peer == self.name:
                 continue
-            sock = open_socket(
-                self.ctx,
-                zmq.DEALER,
-                connect=[self.cfg.endpoints.of(peer)],
-                max_msg_size=self.cfg.max_msg_size,
-            )
+            sock = self.socket(zmq.DEALER, connect=(self.cfg.endpoints.of(peer),))
             set_immediate(sock)
             self.out[peer] = Peer(peer, sock)
             self.send(peer, Hello(actor=self.name, version=PROTOCOL_VERSION, pid=os.getpid()))
@@ -87,6 +96,8 @@ class Actor:
             p.sock.close()
         if self.inbox is not None:
             self.inbox.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
 
     async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the actor until cancelled. Reports readiness once its inbox is bound."""

@@ -81,6 +81,17 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int)
+    p.add_argument("--curve-dir", help="CURVE keys from `minirt keys`: authenticate every socket")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        default=None,
+        help="permit non-loopback tcp endpoints (requires --curve-dir)",
+    )
+    for name in ("client", "tokenizer", "scheduler", "kv_manager", "executor"):
+        p.add_argument(
+            f"--{name.replace('_', '-')}-endpoint", help=f"{name} endpoint (ipc:// or tcp://)"
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -104,6 +115,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "device": ("executor", "device"),
         "dtype": ("executor", "dtype"),
         "threads": ("executor", "threads"),
+        "curve_dir": ("security", "curve_dir"),
+        "allow_remote": ("security", "allow_remote"),
+        **{
+            f"{n}_endpoint": ("endpoints", n)
+            for n in ("client", "tokenizer", "scheduler", "kv_manager", "executor")
+        },
     }
     overrides: dict[str, Any] = {}
     for arg, path in flat.items():
@@ -153,6 +170,9 @@ def _actor(args: argparse.Namespace) -> int:
 def _endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=".minirt")
     p.add_argument("--endpoint", help="client endpoint (default: ipc://RUN_DIR/sock/client)")
+    p.add_argument(
+        "--curve-dir", help="client keys from `minirt keys` (servers that require CURVE)"
+    )
 
 
 def _endpoint(args: argparse.Namespace) -> str:
@@ -207,7 +227,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     result = Result(req.request_id)
     try:
-        with SyncClient(_endpoint(args), timeout_s=args.timeout) as client:
+        with SyncClient(
+            _endpoint(args), timeout_s=args.timeout, curve_dir=args.curve_dir
+        ) as client:
             for msg in client.stream(req):
                 if isinstance(msg, cm.Delta) and not args.json:
                     print(msg.text, end="", flush=True)
@@ -251,6 +273,25 @@ def _trace(args: argparse.Namespace) -> int:
     return trace(args.run_dir, args.request_id)
 
 
+def _keys_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="where to write the keys")
+    p.add_argument(
+        "--client",
+        action="append",
+        default=None,
+        help="client key pair names to create and authorize (default: client)",
+    )
+
+
+@command("keys", _keys_args)
+def _keys(args: argparse.Namespace) -> int:
+    from actors.security import make_keys
+
+    for path in make_keys(args.dir, tuple(args.client or ["client"])):
+        print(path)
+    return 0
+
+
 def _ping_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "target",
@@ -258,10 +299,13 @@ def _ping_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-dir", default=".minirt")
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--curve-dir", help="client keys (servers that require CURVE)")
 
 
 @command("ping", _ping_args)
 def _ping(args: argparse.Namespace) -> int:
+    import os
+
     import trio
 
     from actors.config import Endpoints, RuntimeConfig
@@ -269,15 +313,16 @@ def _ping(args: argparse.Namespace) -> int:
 
     target = args.target
     if "://" not in target:
-        import os
-
         env = os.environ.get(f"MINIRT_{target.upper()}_ENDPOINT")
         if env:
             target = env
         else:
             cfg = RuntimeConfig(run_dir=args.run_dir, endpoints=Endpoints()).resolve()
             target = cfg.endpoints.of(target)
-    pong = trio.run(ping, target, args.timeout)
+    curve_dir = args.curve_dir or os.environ.get("MINIRT_CURVE_DIR")
+    from actors.security import CurveKeys
+
+    pong = trio.run(ping, target, args.timeout, 1, CurveKeys.load(curve_dir) if curve_dir else None)
     if pong is None:
         print(f"no answer from {target}", file=sys.stderr)
         return 1

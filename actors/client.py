@@ -22,6 +22,7 @@ import msgspec
 import trio
 import zmq
 
+from actors.security import CurveKeys
 from actors.transport import ZSocket, open_socket
 from messages import client as cm
 from messages.codec import Decoder, encode
@@ -225,9 +226,14 @@ class AsyncClient:
 
 
 @asynccontextmanager
-async def open_client(endpoint: str, handshake: bool = True) -> AsyncIterator[AsyncClient]:
+async def open_client(
+    endpoint: str, handshake: bool = True, curve_dir: str | None = None
+) -> AsyncIterator[AsyncClient]:
+    """Connect to the client endpoint; ``curve_dir`` holds keys from ``minirt keys`` when the
+    server requires CURVE."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = open_socket(ctx, zmq.DEALER, connect=[endpoint])
+    curve = CurveKeys.load(curve_dir) if curve_dir else None
+    sock = open_socket(ctx, zmq.DEALER, connect=[endpoint], curve=curve)
     client = AsyncClient(sock)
     try:
         async with trio.open_nursery() as nursery:
@@ -249,10 +255,14 @@ async def open_client(endpoint: str, handshake: bool = True) -> AsyncIterator[As
 class SyncClient:
     """Blocking client: one request at a time on one connection."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = 600.0, curve_dir: str | None = None
+    ) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve_dir:
+            CurveKeys.load(curve_dir).client(self.sock)
         self.sock.connect(endpoint)
         self.timeout_ms = int(timeout_s * 1000)
         self._decoder: Decoder[Any] = Decoder(cm.ClientInbound)

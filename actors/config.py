@@ -62,6 +62,12 @@ class ExecutorConfig:
 
 
 @dataclass
+class SecurityConfig:
+    curve_dir: str = ""  # CURVE keys from `minirt keys DIR`: encrypt and authenticate every socket
+    allow_remote: bool = False  # permit binding non-loopback tcp addresses (requires curve_dir)
+
+
+@dataclass
 class RuntimeConfig:
     model: str = ""
     run_dir: str = ".minirt"
@@ -69,6 +75,7 @@ class RuntimeConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     max_msg_size: int = 64 * 1024 * 1024
     heartbeat_s: float = 0.5
 
@@ -80,6 +87,14 @@ class RuntimeConfig:
             if not getattr(self.endpoints, name):
                 setattr(self.endpoints, name, f"ipc://{sock / name}")
         return self
+
+    def curve_keys(self) -> Any:
+        """The CURVE key set (``actors.security.CurveKeys``) or None when CURVE is off."""
+        if not self.security.curve_dir:
+            return None
+        from actors.security import CurveKeys
+
+        return CurveKeys.load(self.security.curve_dir)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -126,6 +141,8 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
         kv["block_size"] = int(env["MINIRT_BLOCK_SIZE"])
     if kv:
         out["kv"] = kv
+    if env.get("MINIRT_CURVE_DIR"):
+        out["security"] = {"curve_dir": env["MINIRT_CURVE_DIR"]}
     eps = {
         n: env[f"MINIRT_{n.upper()}_ENDPOINT"]
         for n in ("client", *ACTORS)

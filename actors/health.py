@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 import zmq
 
@@ -10,9 +12,11 @@ from messages.codec import BadFrame, Decoder, encode
 from messages.common import Ping, Pong
 
 
-async def ping(endpoint: str, timeout: float = 2.0, nonce: int = 1) -> Pong | None:
+async def ping(
+    endpoint: str, timeout: float = 2.0, nonce: int = 1, curve: Any = None
+) -> Pong | None:
     """The actor's Pong, or None if it did not answer within ``timeout`` seconds."""
-    sock = open_socket(zmq.Context.instance(), zmq.DEALER, connect=[endpoint])
+    sock = open_socket(zmq.Context.instance(), zmq.DEALER, connect=[endpoint], curve=curve)
     decoder: Decoder[Pong] = Decoder(Pong)
     try:
         with trio.move_on_after(timeout):
@@ -30,11 +34,13 @@ async def ping(endpoint: str, timeout: float = 2.0, nonce: int = 1) -> Pong | No
         sock.close()
 
 
-async def wait_ready(endpoint: str, deadline: float, interval: float = 0.2) -> Pong:
+async def wait_ready(
+    endpoint: str, deadline: float, interval: float = 0.2, curve: Any = None
+) -> Pong:
     """Ping until the actor answers ready; raises TimeoutError after ``deadline`` seconds."""
     with trio.move_on_after(deadline):
         while True:
-            pong = await ping(endpoint, timeout=interval * 5)
+            pong = await ping(endpoint, timeout=interval * 5, curve=curve)
             if pong is not None and pong.ready:
                 return pong
             await trio.sleep(interval)

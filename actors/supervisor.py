@@ -98,7 +98,13 @@ class Supervisor:
                     self.log.info("supervisor.started", child=child.name, pid=child.proc.pid)
                 async with trio.open_nursery() as waits:
                     for name in ACTORS:
-                        waits.start_soon(wait_ready, self.cfg.endpoints.of(name), ready_timeout)
+                        waits.start_soon(
+                            wait_ready,
+                            self.cfg.endpoints.of(name),
+                            ready_timeout,
+                            0.2,
+                            self.cfg.curve_keys(),
+                        )
                 for child in self.children.values():
                     nursery.start_soon(self._watch, child)
                 endpoint = self.cfg.endpoints.client

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 import zmq
@@ -128,9 +129,25 @@ def open_socket(
     max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
     hwm: int = DEFAULT_HWM,
     send_timeout: float = 10.0,
+    curve: Any = None,
+    allow_remote: bool = False,
 ) -> ZSocket:
-    """Create a socket with minirt's defaults (size limit, high-water marks, no linger)."""
+    """Create a socket with minirt's defaults (size limit, high-water marks, no linger).
+
+    ``curve`` (``actors.security.CurveKeys``): a bound socket becomes a CURVE server, a connecting
+    one a CURVE client. Binding a non-loopback address raises ``InsecureBind`` unless
+    ``allow_remote`` and ``curve`` are both given.
+    """
+    from actors.security import check_bind
+
+    if bind is not None:
+        check_bind(bind, allow_remote, curve is not None)
     sock = ctx.socket(kind)
+    if curve is not None:
+        if bind is not None:
+            curve.server(sock)
+        else:
+            curve.client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     sock.setsockopt(zmq.SNDHWM, hwm)

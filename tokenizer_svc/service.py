@@ -25,7 +25,7 @@ import zmq
 
 from actors.base import Actor
 from actors.config import RuntimeConfig
-from actors.transport import ZSocket, open_socket
+from actors.transport import ZSocket
 from messages import client as cm
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Ping, Pong
@@ -92,9 +92,7 @@ class TokenizerService(Actor):
 
     def open(self) -> None:
         super().open()
-        self.client_sock = open_socket(
-            self.ctx, zmq.ROUTER, bind=self.cfg.endpoints.client, max_msg_size=self.cfg.max_msg_size
-        )
+        self.client_sock = self.socket(zmq.ROUTER, bind=self.cfg.endpoints.client)
 
     def close(self) -> None:
         if self.client_sock is not None:
