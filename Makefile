@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint typecheck pytest test-fast clean
+.PHONY: install run test lint typecheck pytest test-slow clean
 
 $(STAMP): pyproject.toml
 	@start=$$(date +%s); \
@@ -30,8 +30,9 @@ pytest: install
 
 test: lint typecheck pytest
 
-test-fast: install
-	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+# The long soak and other slow tests (deselected by default); .ci/run runs them after `make test`.
+test-slow: install
+	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .minirt .pytest_cache .mypy_cache .ruff_cache

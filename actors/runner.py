@@ -24,6 +24,9 @@ def build_actor(name: str, cfg: RuntimeConfig) -> Any:
         return SchedulerActor(cfg)
     if name == "kv_manager":
         from actors.kv_manager import KVManagerActor
+
+        if cfg.kv.num_blocks:  # set by `minirt up` or the config: no need to load torch here
+            return KVManagerActor(cfg, int(cfg.kv.num_blocks))
         from gpu.actor import resolve_num_blocks
 
         return KVManagerActor(cfg, resolve_num_blocks(cfg))
