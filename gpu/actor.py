@@ -189,7 +189,12 @@ class ExecutorActor(Actor):
             self.flight.pop(rid)
         try:
             self.ex.add_request(
-                rid, msg.prompt_ids, to_exec_params(msg.params), msg.block_table, msg.cached_tokens
+                rid,
+                msg.prompt_ids,
+                to_exec_params(msg.params),
+                msg.block_table,
+                msg.cached_tokens,
+                prior_output_tokens=msg.output_offset,
             )
         except ExecutorInputError as e:
             self.log.warning("request.rejected", request_id=rid, field=e.field, reason=e.reason)

@@ -8,7 +8,9 @@ from messages.common import Hello, Msg, Ping, SamplingParams
 class Run(Msg, tag="x_run"):
     """Scheduler -> executor: the request holds ``block_table``; the first ``cached_tokens`` prompt
     tokens' KV is already in those blocks. ``output_offset`` counts tokens generated in earlier
-    attempts (after a preemption the prompt carries them and ``params.max_tokens`` is what is left)."""
+    attempts: after a preemption ``prompt_ids`` ends with them, ``params`` are the original ones
+    (``max_tokens`` counts all outputs) and seeded sampling resumes at output index
+    ``output_offset``, so a preempted request gives the tokens it would have given anyway."""
 
     request_id: str
     attempt: int

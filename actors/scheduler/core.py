@@ -200,14 +200,13 @@ class SchedulerCore:
             queue_s=round(req.queue_s, 6),
             running=len(self.running),
         )
-        params = msgspec.structs.replace(req.params, max_tokens=req.remaining_tokens())
         self._emit(
             "executor",
             xm.Run(
                 request_id=req.request_id,
                 attempt=req.attempt,
                 prompt_ids=req.tokens_now(),
-                params=params,
+                params=req.params,  # the original max_tokens: the executor counts output_offset
                 block_table=msg.block_table,
                 cached_tokens=msg.cached_tokens,
                 output_offset=len(req.output_ids),

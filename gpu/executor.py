@@ -1,0 +1,310 @@
+"""The executor: owns the model and the paged KV cache, runs one mixed prefill/decode step at a time.
+
+It never allocates KV blocks: callers hand it block tables (plain ints) with each request and
+grow them with :meth:`Executor.extend`. Each :meth:`Executor.step` schedules decodes first (one
+token each, FCFS), then prefill chunks FCFS within the token budget, runs one forward over the
+flat batch, samples, and drops finished requests (the caller frees their blocks).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from gpu import loader
+from gpu.attention import build_metadata
+from gpu.kv_cache import PagedKVCache
+from gpu.model import LlamaFamilyModel
+from gpu.requests import (
+    ExecutorInputError,
+    RequestState,
+    StepResult,
+    TokenOutput,
+    check_request,
+)
+from gpu.sampling import SamplingParams, logprobs_of, sample
+
+__all__ = ["Executor", "ExecutorInputError", "StepResult", "TokenOutput"]
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_CUDA_KV_FRACTION = 0.8
+
+
+class Executor:
+    """Model + KV cache + in-flight requests. Not thread-safe; one caller drives it.
+
+    Attributes: ``num_blocks``, ``block_size``, ``kv_bytes``, ``max_model_len``, ``vocab_size``,
+    ``eos_token_ids``, ``device``, ``dtype``. ``kv_memory`` is bytes (int) or a fraction of free
+    device memory (float in (0, 1]); ``num_blocks`` wins over it; with neither, 1 GiB on cpu and
+    80% of free memory on cuda. ``threads`` sets torch's intra-op thread count (process-wide).
+    Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        num_blocks: int | None = None,
+        kv_memory: int | float | None = None,
+        block_size: int = 16,
+        chunk_cap: int = 1024,
+        step_budget: int = 8192,
+        max_batch_size: int = 256,
+        threads: int | None = None,
+    ) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if min(block_size, chunk_cap, step_budget, max_batch_size) < 1:
+            raise ValueError("block_size, chunk_cap, step_budget, max_batch_size must be >= 1")
+        self.device = loader.resolve_device(device)
+        self.dtype = loader.resolve_dtype(dtype, self.device)
+        spec = loader.load_spec(model_dir)
+        self.spec = spec
+        self.model = LlamaFamilyModel(
+            spec, loader.load_weights(model_dir, self.dtype, self.device), self.device
+        )
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = spec.max_model_len
+        self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
+        self.block_size = block_size
+        self.chunk_cap = chunk_cap
+        self.step_budget = step_budget
+        self.max_batch_size = max_batch_size
+        per_block = PagedKVCache.bytes_per_block(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.dtype
+        )
+        if num_blocks is None:
+            if kv_memory is None:
+                cuda = self.device.type == "cuda"
+                kv_memory = DEFAULT_CUDA_KV_FRACTION if cuda else DEFAULT_CPU_KV_BYTES
+            num_blocks = PagedKVCache.blocks_for_budget(kv_memory, per_block, self.device)
+        self.num_blocks = num_blocks
+        self.kv_bytes = num_blocks * per_block
+        self.cache = PagedKVCache(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            num_blocks,
+            block_size,
+            self.dtype,
+            self.device,
+        )
+        self._prefilling: dict[str, RequestState] = {}
+        self._decoding: dict[str, RequestState] = {}
+
+    # ---- request management -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        block_table: list[int],
+        num_cached_tokens: int = 0,
+        prior_output_tokens: int = 0,
+    ) -> None:
+        """Queue a request whose prompt K/V goes to ``block_table``; the first ``num_cached_tokens``
+        (a multiple of block_size, < len(prompt)) are already in those blocks and are not recomputed.
+
+        ``prior_output_tokens``: to resume a preempted request, pass the original prompt plus the
+        outputs it had produced as ``prompt_ids``, their count here, and the original params:
+        sampling indices, ``max_tokens`` and ``num_output_tokens`` continue from there, so a seeded
+        request yields the same tokens as if never preempted.
+
+        Raises ExecutorInputError naming the request and field; on error nothing changes.
+        """
+
+        if request_id in self._prefilling or request_id in self._decoding:
+            raise ExecutorInputError(request_id, "request_id", "already in flight")
+        prompt, table = list(prompt_ids), list(block_table)
+        check_request(
+            request_id,
+            prompt,
+            params,
+            table,
+            num_cached_tokens,
+            prior_output_tokens,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        req = RequestState(
+            request_id,
+            prompt,
+            params,
+            table,
+            num_cached_tokens,
+            seed,
+            frozenset(stop),
+            prior_output_tokens,
+        )
+        self._prefilling[request_id] = req
+
+    def extend(self, request_id: str, new_blocks: list[int]) -> None:
+        """Append ``new_blocks`` to the request's block table. Raises ExecutorInputError."""
+        req = self._prefilling.get(request_id) or self._decoding.get(request_id)
+        if req is None:
+            raise ExecutorInputError(request_id, "request_id", "no such request in flight")
+        blocks = list(new_blocks)
+        if any(not isinstance(b, int) or b < 0 or b >= self.num_blocks for b in blocks):
+            raise ExecutorInputError(
+                request_id, "new_blocks", f"block ids must be ints in [0, {self.num_blocks})"
+            )
+        req.table.extend(blocks)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget the request (abort or preemption); True if it was in flight."""
+        found = self._prefilling.pop(request_id, None) or self._decoding.pop(request_id, None)
+        return found is not None
+
+    def has_work(self) -> bool:
+        return bool(self._prefilling or self._decoding)
+
+    def num_requests(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (KeyError if not in flight)."""
+        req = self._prefilling.get(request_id) or self._decoding[request_id]
+        return list(req.table)
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Run one forward over the scheduled decodes and prefill chunks; see the module doc."""
+        t0 = time.perf_counter()
+        bs = self.block_size
+        budget = self.step_budget
+        decodes: list[RequestState] = []
+        skipped: list[str] = []
+        for req in self._decoding.values():
+            if len(decodes) >= self.max_batch_size or budget < 1:
+                break
+            if req.computed >= len(req.table) * bs:
+                skipped.append(req.rid)
+                continue
+            decodes.append(req)
+            budget -= 1
+        chunks: list[tuple[RequestState, int]] = []
+        for req in self._prefilling.values():
+            if len(decodes) + len(chunks) >= self.max_batch_size or budget < 1:
+                break
+            c = min(budget, self.chunk_cap, len(req.prompt) - req.computed)
+            chunks.append((req, c))
+            budget -= c
+        if not decodes and not chunks:
+            return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
+
+        ids = [r.out[-1] for r in decodes]
+        pos = [r.computed for r in decodes]
+        logit_rows = list(range(len(decodes)))
+        samplers: list[RequestState] = list(decodes)
+        row = len(decodes)
+        for req, c in chunks:
+            s = req.computed
+            ids.extend(req.prompt[s : s + c])
+            pos.extend(range(s, s + c))
+            row += c
+            if s + c == len(req.prompt):
+                logit_rows.append(row - 1)
+                samplers.append(req)
+        meta = build_metadata(
+            [(r.table, r.computed) for r in decodes],
+            [(r.table, r.computed, c) for r, c in chunks],
+            self.cache,
+            self.dtype,
+            self.device,
+        )
+        dev = self.device
+        t1 = time.perf_counter()
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            self.cache,
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )
+        tokens_t = self._sample(logits, samplers)
+        tokens = tokens_t.tolist()
+        forward_s = time.perf_counter() - t1
+        lps, tops = self._logprobs(logits, tokens_t, samplers)
+
+        outputs: list[TokenOutput] = []
+        sampled = {r.rid: i for i, r in enumerate(samplers)}
+        for req in decodes:
+            req.computed += 1
+        for req, c in chunks:
+            req.computed += c
+            if req.rid not in sampled:
+                n_prompt = len(req.prompt) - req.prior
+                outputs.append(
+                    TokenOutput(req.rid, None, None, None, None, False, n_prompt, req.prior)
+                )
+        for i, req in enumerate(samplers):
+            tok = tokens[i]
+            first = not req.out
+            req.out.append(tok)
+            n_out = req.prior + len(req.out)
+            finish = None
+            if tok in req.stop:
+                finish = "stop"
+            elif (
+                n_out >= req.params.max_tokens
+                or len(req.prompt) + len(req.out) >= self.max_model_len
+            ):
+                finish = "length"
+            if finish is not None:
+                self._prefilling.pop(req.rid, None)
+                self._decoding.pop(req.rid, None)
+            elif first:
+                del self._prefilling[req.rid]
+                self._decoding[req.rid] = req
+            outputs.append(
+                TokenOutput(
+                    req.rid, tok, lps[i], tops[i], finish, first, len(req.prompt) - req.prior, n_out
+                )
+            )
+        n_pre = sum(c for _, c in chunks)
+        return StepResult(
+            outputs,
+            n_pre,
+            len(decodes),
+            len(decodes) + len(chunks),
+            skipped,
+            forward_s,
+            time.perf_counter() - t0,
+        )
+
+    def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
+        if all(r.params.greedy for r in reqs):
+            return logits.argmax(dim=-1)
+        return sample(
+            logits,
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.prior + len(r.out) for r in reqs],
+        )
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, reqs: list[RequestState]):
+        """Per sampling row: (sampled logprob or None, top list or None)."""
+        none: list = [None] * len(reqs)
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            return none, list(none)
+        top_n = max(reqs[i].params.logprobs or 0 for i in want)
+        chosen, tops = logprobs_of(logits[want], tokens[want], top_n)
+        lps, top_out = list(none), list(none)
+        for j, i in enumerate(want):
+            lps[i] = chosen[j]
+            top_out[i] = tops[j][: reqs[i].params.logprobs]
+        return lps, top_out

@@ -1,0 +1,132 @@
+"""Lean Llama-family forward (Llama, Qwen2, Qwen3, Mistral) over a flat, unpadded token batch.
+
+Mirrors transformers' modeling code operation by operation (RMSNorm in float32, RoPE with
+``rotate_half``, SiLU-gated MLP) so greedy outputs match it token for token, but fuses Q/K/V and
+gate/up into one matmul each and computes the LM head only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention import AttentionMetadata, paged_attention
+from gpu.kv_cache import PagedKVCache
+from gpu.loader import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalize in float32, cast back, then scale.
+
+    For float32 the fused ``F.rms_norm`` gives bit-identical results in one op.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin`` computed as
+    ``roll(x) * sin_signed`` (``sin_signed`` = sin with its first half negated): bit-identical,
+    fewer ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class _Layer:
+    def __init__(self, w: dict[str, torch.Tensor], p: str, spec: ModelSpec) -> None:
+        a = p + "self_attn."
+        self.ln_in = w[p + "input_layernorm.weight"]
+        self.ln_post = w[p + "post_attention_layernorm.weight"]
+        self.qkv = torch.cat([w[a + n + "_proj.weight"] for n in "qkv"])
+        biases = [w.get(a + n + "_proj.bias") for n in "qkv"]
+        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
+        self.o = w[a + "o_proj.weight"]
+        self.o_b = w.get(a + "o_proj.bias")
+        self.q_norm = w.get(a + "q_norm.weight")
+        self.k_norm = w.get(a + "k_norm.weight")
+        m = p + "mlp."
+        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        self.down = w[m + "down_proj.weight"]
+        if any(m + n + "_proj.bias" in w for n in ("gate", "up", "down")):
+            raise ValueError("MLP biases are not supported")
+
+
+class LlamaFamilyModel:
+    """Weights plus a functional forward; holds no per-request state."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device):
+        self.spec = spec
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = weights.get("lm_head.weight")
+        if self.lm_head is None or spec.tie_word_embeddings:
+            self.lm_head = self.embed
+        self.layers = [_Layer(weights, f"model.layers.{i}.", spec) for i in range(spec.num_layers)]
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.cos, self.sin = self._rope_table(device, self.embed.dtype)
+        half = spec.head_dim // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+
+    def _rope_table(self, device: torch.device, dtype: torch.dtype):
+        """cos/sin for every position, computed exactly as transformers' rotary embedding does."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        cfg = self.spec.hf_config
+        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type == "default":
+            base = cfg.rope_parameters["rope_theta"]
+            dim = self.spec.head_dim
+            inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            scaling = 1.0
+        elif rope_type in ("linear", "llama3", "yarn", "longrope"):
+            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, device)
+        else:
+            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        pos = torch.arange(self.spec.max_model_len, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv.to(torch.float32).cpu()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
+        return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run ``[T]`` tokens at ``positions``; write their K/V into ``cache``.
+
+        Returns float32 logits ``[len(logit_rows), vocab]`` for the rows in ``logit_rows`` only.
+        """
+        spec = self.spec
+        eps = spec.rms_norm_eps
+        t = input_ids.shape[0]
+        d = spec.head_dim
+        nh, nkv = spec.num_heads, spec.num_kv_heads
+        x = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin_signed[positions][:, None, :]
+        for i, ly in enumerate(self.layers):
+            h = rms_norm(x, ly.ln_in, eps)
+            qkv = F.linear(h, ly.qkv, ly.qkv_b).view(t, nh + 2 * nkv, d)
+            v = qkv[:, nh + nkv :]
+            if ly.q_norm is None:  # rotate q and k together
+                qk = rope(qkv[:, : nh + nkv], cos, sin)
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:
+                q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), cos, sin)
+                k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), cos, sin)
+            attn = paged_attention(q, k, v, cache, i, meta, self.scale)
+            x = x + F.linear(attn, ly.o, ly.o_b)
+            h = rms_norm(x, ly.ln_post, eps)
+            gate, up = F.linear(h, ly.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, ly.down)
+        h = rms_norm(x[logit_rows], self.norm, eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,110 @@
+"""Request-level data of the executor: its error type, per-step outputs, in-flight state, and
+the validation of a new request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu.sampling import SamplingParams, SamplingParamsError
+
+
+class ExecutorInputError(ValueError):
+    """A request's input is invalid; ``request_id`` and ``field`` say which and where."""
+
+    def __init__(self, request_id: str, field: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r}: invalid {field}: {reason}")
+        self.request_id = request_id
+        self.field = field
+        self.reason = reason
+
+
+@dataclass
+class TokenOutput:
+    """One request's progress in one step. Logprobs are of the model's raw distribution
+    (log-softmax of the logits, before temperature/filters); ``top_logprobs`` is ``[]`` when
+    ``logprobs == 0`` and None when logprobs were not asked for."""
+
+    request_id: str
+    token_id: int | None  # None: this step only advanced a non-final prefill chunk
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None  # "stop" | "length" | None
+    prefill_done: bool  # True on the step that produced the first output token
+    num_prompt_tokens: int
+    num_output_tokens: int  # outputs so far, this one included (and any before a preemption)
+
+
+@dataclass
+class StepResult:
+    """What one ``Executor.step`` did; ``forward_s`` covers the forward and sampling, ``step_s``
+    the whole call (scheduling, input building, bookkeeping included)."""
+
+    outputs: list[TokenOutput]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_requests: int
+    skipped: list[str]  # requests whose block table had no room this step
+    forward_s: float
+    step_s: float
+
+
+@dataclass
+class RequestState:
+    """One in-flight request as the executor tracks it (mutated by Executor.step)."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    table: list[int]
+    computed: int  # tokens whose K/V is in the cache
+    seed: int
+    stop: frozenset[int]
+    prior: int = 0  # outputs generated before a preemption, at the end of ``prompt``
+    out: list[int] = field(default_factory=list)
+
+
+def check_request(
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    table: list[int],
+    num_cached_tokens: int,
+    prior_output_tokens: int,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Raise ExecutorInputError naming ``request_id`` and the first invalid field; pure."""
+
+    def bad(fld: str, reason: str) -> ExecutorInputError:
+        return ExecutorInputError(request_id, fld, reason)
+
+    try:
+        params.validate()
+    except SamplingParamsError as e:
+        raise bad(e.field, e.reason) from None
+    n = len(prompt)
+    if n == 0:
+        raise bad("prompt_ids", "empty prompt")
+    if n >= max_model_len:
+        raise bad("prompt_ids", f"{n} tokens; the model's max positions is {max_model_len}")
+    vocab = vocab_size
+    if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
+        first = next(t for t in prompt if not isinstance(t, int) or t < 0 or t >= vocab)
+        raise bad("prompt_ids", f"token id {first!r} outside the vocabulary [0, {vocab})")
+    if any(not isinstance(b, int) or b < 0 or b >= num_blocks for b in table):
+        raise bad("block_table", f"block ids must be ints in [0, {num_blocks})")
+    if len(table) * block_size < n:
+        raise bad("block_table", f"{len(table)} blocks of {block_size} cannot hold {n} tokens")
+    if not (0 <= num_cached_tokens < n) or num_cached_tokens % block_size:
+        raise bad(
+            "num_cached_tokens",
+            f"{num_cached_tokens} must be a multiple of {block_size} below {n}",
+        )
+    if not (0 <= prior_output_tokens < min(n, params.max_tokens)):
+        raise bad(
+            "prior_output_tokens",
+            f"{prior_output_tokens} must be >= 0 and below len(prompt_ids) and max_tokens",
+        )

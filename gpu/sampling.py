@@ -1,0 +1,160 @@
+"""Per-request sampling parameters and a batched sampler.
+
+Randomness is a pure function of ``(seed, output index)``: each sampled row draws its noise from
+a generator seeded with a hash of the two, so a request yields the same tokens whatever else is
+in the batch and after being preempted and recomputed. Filters apply in transformers' order:
+temperature, top-k, top-p, min-p; then a categorical draw by the exponential race
+``argmax(p / E)``, ``E ~ Exp(1)`` (equivalent to Gumbel-max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20
+_M64 = (1 << 64) - 1
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; ``field`` names it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: sampled token's only; n <= 20: plus top-n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError (a ValueError) naming the first field out of range."""
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise SamplingParamsError(
+                "temperature", f"must be finite and >= 0, got {self.temperature}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError("top_k", f"must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise SamplingParamsError("seed", f"must be an int or None, got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "must be non-negative ints")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingParamsError(
+                "logprobs", f"must be None or 0..{MAX_LOGPROBS}, got {self.logprobs}"
+            )
+
+
+def noise_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed that depends only on ``(seed, index)`` (splitmix64 mix)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return (x ^ (x >> 31)) >> 1
+
+
+def exponential_noise(seeds: list[int], indices: list[int], vocab: int, device) -> torch.Tensor:
+    """``[len(seeds), vocab]`` Exp(1) noise; row i depends only on ``(seeds[i], indices[i])``."""
+    out = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device)
+    for i, (s, j) in enumerate(zip(seeds, indices, strict=True)):
+        gen.manual_seed(noise_seed(s, j))
+        out[i].exponential_(generator=gen)
+    return out
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p row-wise; removed tokens get -inf.
+
+    ``logits`` ``[B, V]`` float32 (not mutated); the others ``[B]`` (temperature > 0, top_k 0 =
+    off). Ties at a top-k/top-p boundary are all kept. Returns new ``[B, V]`` logits.
+    """
+    x = logits / temperature[:, None]
+    vocab = x.shape[-1]
+    use_k = bool((top_k > 0).any())
+    use_p = bool((top_p < 1.0).any())
+    if use_k or use_p:
+        srt = x.sort(dim=-1, descending=True).values
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
+        thresh = srt.gather(1, (k - 1)[:, None])
+        if use_p:
+            srt = srt.masked_fill(srt < thresh, float("-inf"))
+            probs = torch.softmax(srt, dim=-1)
+            before = probs.cumsum(dim=-1) - probs
+            keep = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)
+            thresh = torch.maximum(thresh, srt.gather(1, (keep - 1)[:, None]))
+        x = x.masked_fill(x < thresh, float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        cut = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        x = x.masked_fill(probs < cut, float("-inf"))
+    return x
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[B, V]`` float32): argmax for greedy rows, else a draw.
+
+    ``seeds[i]``/``indices[i]``: the request's seed and the output index being sampled. Returns
+    ``[B]`` int64 on the logits' device. Pure: same inputs, same tokens.
+    """
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    dev = logits.device
+    sub = [params[i] for i in rows]
+    x = filter_logits(
+        logits[rows],
+        torch.tensor([p.temperature for p in sub], device=dev),
+        torch.tensor([p.top_k for p in sub], device=dev),
+        torch.tensor([p.top_p for p in sub], device=dev),
+        torch.tensor([p.min_p for p in sub], device=dev),
+    )
+    probs = torch.softmax(x, dim=-1)
+    noise = exponential_noise(
+        [seeds[i] for i in rows], [indices[i] for i in rows], x.shape[-1], dev
+    )
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Log-softmax of the raw logits: each row's sampled-token logprob, and its top ``top_n``."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    if top_n <= 0:
+        return chosen, [[] for _ in chosen]
+    vals, ids = lp.topk(top_n, dim=-1)
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return chosen, tops
