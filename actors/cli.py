@@ -43,7 +43,8 @@ _BENCH_MODES = {
     "executor": "gpu.bench_executor",  # W1 through the executor alone vs transformers
     "kv": "actors.kv.bench",  # KV manager admit/evict micro-benchmark
     "transport": "actors.transport_bench",
-    "scheduler": "actors.scheduler.bench",  # one scheduling decision vs queue size  # messages/s and round-trip latency between processes
+    "scheduler": "actors.scheduler.bench",  # one scheduling decision vs queue size
+    "serve": "actors.bench.serve",  # a workload through a running runtime, with a report  # messages/s and round-trip latency between processes
 }
 
 
@@ -78,6 +79,19 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on 127.0.0.1:PORT")
     p.add_argument("--chunk-cap", type=int, help="max prefill tokens per request per step")
     p.add_argument("--step-budget", type=int, help="max tokens per step")
+    p.add_argument(
+        "--long-prefill-threshold", type=int, help="prompts longer than this are long (0: no limit)"
+    )
+    p.add_argument(
+        "--max-long-prefills", type=int, help="long prompts prefilling per step, at most"
+    )
+    p.add_argument(
+        "--prefill-first",
+        dest="decode_first",
+        action="store_false",
+        default=None,
+        help="schedule prefill chunks before decodes in each step",
+    )
     p.add_argument("--device")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int)
@@ -112,6 +126,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "metrics_port": ("scheduler", "metrics_port"),
         "chunk_cap": ("executor", "chunk_cap"),
         "step_budget": ("executor", "step_budget"),
+        "long_prefill_threshold": ("executor", "long_prefill_threshold"),
+        "max_long_prefills": ("executor", "max_long_prefills"),
+        "decode_first": ("executor", "decode_first"),
         "device": ("executor", "device"),
         "dtype": ("executor", "dtype"),
         "threads": ("executor", "threads"),

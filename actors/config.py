@@ -54,8 +54,11 @@ class SchedulerConfig:
 
 @dataclass
 class ExecutorConfig:
-    chunk_cap: int = 1024
-    step_budget: int = 8192
+    chunk_cap: int = 1024  # max prefill tokens per request per step
+    step_budget: int = 8192  # max tokens (prefill + decode) per step
+    long_prefill_threshold: int = 0  # prompts longer than this are "long" (0: no limit)
+    max_long_prefills: int = 1  # long prompts prefilling in the same step, at most
+    decode_first: bool = True  # schedule decodes before prefill chunks in each step
     dtype: str | None = None
     device: str | None = None
     threads: int | None = None

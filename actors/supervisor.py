@@ -87,6 +87,7 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.log = get_logger()
         self.stopping = False
+        self._ready_count = 0
 
     async def run(
         self, task_status: Any = trio.TASK_STATUS_IGNORED, ready_timeout: float = 120.0
@@ -97,14 +98,9 @@ class Supervisor:
                     await child.start()
                     self.log.info("supervisor.started", child=child.name, pid=child.proc.pid)
                 async with trio.open_nursery() as waits:
+                    waits.start_soon(self._fail_fast)
                     for name in ACTORS:
-                        waits.start_soon(
-                            wait_ready,
-                            self.cfg.endpoints.of(name),
-                            ready_timeout,
-                            0.2,
-                            self.cfg.curve_keys(),
-                        )
+                        waits.start_soon(self._ready, waits, name, ready_timeout)
                 for child in self.children.values():
                     nursery.start_soon(self._watch, child)
                 endpoint = self.cfg.endpoints.client
@@ -113,6 +109,24 @@ class Supervisor:
         finally:
             with trio.CancelScope(shield=True):
                 await self.stop()
+
+    async def _ready(self, waits: trio.Nursery, name: str, timeout: float) -> None:
+        await wait_ready(self.cfg.endpoints.of(name), timeout, 0.2, self.cfg.curve_keys())
+        self._ready_count += 1
+        if self._ready_count == len(ACTORS):
+            waits.cancel_scope.cancel()  # all ready: stop the fail-fast watcher
+
+    async def _fail_fast(self) -> None:
+        """During start-up, a child that exits means a configuration error: stop with its log."""
+        while True:
+            for child in self.children.values():
+                if child.proc.returncode is not None:
+                    tail = child.log_path.read_text(errors="replace").splitlines()[-5:]
+                    raise RuntimeError(
+                        f"{child.name} exited with {child.proc.returncode} during "
+                        f"start-up; its log ({child.log_path}) ends:\n" + "\n".join(tail)
+                    )
+            await trio.sleep(0.1)
 
     async def _watch(self, child: Child) -> None:
         while True:

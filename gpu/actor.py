@@ -8,6 +8,7 @@ lookahead), so a step never waits on a round trip. It blocks only when it has no
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from typing import Any
@@ -90,6 +91,9 @@ class ExecutorActor(Actor):
             chunk_cap=x.chunk_cap,
             step_budget=x.step_budget,
             max_batch_size=cfg.scheduler.max_batch_size,
+            long_prefill_threshold=x.long_prefill_threshold,
+            max_long_prefills=x.max_long_prefills,
+            decode_first=x.decode_first,
             threads=x.threads,
         )
         self.flight: dict[str, _Flight] = {}
@@ -104,9 +108,7 @@ class ExecutorActor(Actor):
             dtype=str(self.ex.dtype),
             num_blocks=self.ex.num_blocks,
             block_size=self.ex.block_size,
-            chunk_cap=x.chunk_cap,
-            step_budget=x.step_budget,
-            max_batch_size=cfg.scheduler.max_batch_size,
+            **dataclasses.asdict(self.ex.budget),
         )
 
     # ------------------------------------------------------------------ loop

@@ -101,7 +101,9 @@ def run_ours(ex, prompts: list[list[int]], new_tokens: int) -> tuple[float, list
     return elapsed, [outs[f"w{i}"] for i in range(len(prompts))], stats
 
 
-def run_hf_static(model, prompts, new_tokens: int, batch: int, pad: int) -> tuple[float, list]:
+def run_hf_static(
+    model, prompts, new_tokens: int, batch: int, pad: int
+) -> tuple[float, float, list]:
     """transformers ``generate`` on batches of ``batch`` prompts, left-padded, greedy."""
     from transformers import GenerationConfig
 
@@ -123,7 +125,9 @@ def run_hf_static(model, prompts, new_tokens: int, batch: int, pad: int) -> tupl
     return time.perf_counter() - t0, time.process_time() - c0, outs
 
 
-def run_hf_cb(model, prompts, new_tokens: int, pad: int, max_tokens: int) -> tuple[float, list]:
+def run_hf_cb(
+    model, prompts, new_tokens: int, pad: int, max_tokens: int
+) -> tuple[float, float, list]:
     """transformers continuous batching (``generate_batch``), greedy, its KV cache sized to the
     workload (its default sizing takes a large share of host memory on CPU)."""
     from transformers import GenerationConfig

@@ -26,6 +26,7 @@ from gpu.requests import (
     check_request,
 )
 from gpu.sampling import SamplingParams, logprobs_of, sample
+from gpu.step_plan import StepBudget, plan_step
 
 __all__ = ["Executor", "ExecutorInputError", "StepResult", "TokenOutput"]
 
@@ -55,12 +56,24 @@ class Executor:
         chunk_cap: int = 1024,
         step_budget: int = 8192,
         max_batch_size: int = 256,
+        long_prefill_threshold: int = 0,
+        max_long_prefills: int = 1,
+        decode_first: bool = True,
         threads: int | None = None,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
-        if min(block_size, chunk_cap, step_budget, max_batch_size) < 1:
-            raise ValueError("block_size, chunk_cap, step_budget, max_batch_size must be >= 1")
+        self.budget = StepBudget(
+            step_budget,
+            chunk_cap,
+            max_batch_size,
+            long_prefill_threshold,
+            max_long_prefills,
+            decode_first,
+        )
+        self.budget.check()
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
         self.device = loader.resolve_device(device)
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
@@ -184,24 +197,8 @@ class Executor:
         """Run one forward over the scheduled decodes and prefill chunks; see the module doc."""
         t0 = time.perf_counter()
         bs = self.block_size
-        budget = self.step_budget
-        decodes: list[RequestState] = []
-        skipped: list[str] = []
-        for req in self._decoding.values():
-            if len(decodes) >= self.max_batch_size or budget < 1:
-                break
-            if req.computed >= len(req.table) * bs:
-                skipped.append(req.rid)
-                continue
-            decodes.append(req)
-            budget -= 1
-        chunks: list[tuple[RequestState, int]] = []
-        for req in self._prefilling.values():
-            if len(decodes) + len(chunks) >= self.max_batch_size or budget < 1:
-                break
-            c = min(budget, self.chunk_cap, len(req.prompt) - req.computed)
-            chunks.append((req, c))
-            budget -= c
+        plan = plan_step(self._decoding.values(), self._prefilling.values(), self.budget, bs)
+        decodes, chunks, skipped = plan.decodes, plan.chunks, plan.skipped
         if not decodes and not chunks:
             return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
 

@@ -2,101 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 import zmq
 
-from actors.eventlog import read_events
+from actors.launch import Runtime, start_runtime  # noqa: F401  (re-exported for tests)
 from actors.transport import open_socket
 from messages import kv as km
 from messages.codec import Decoder, encode
-
-
-@dataclass
-class Runtime:
-    run_dir: Path
-    proc: subprocess.Popen[str]
-    endpoint: str
-
-    def actor_endpoint(self, name: str) -> str:
-        return f"ipc://{self.run_dir / 'sock' / name}"
-
-    def events(
-        self, name: str | None = None, request_id: str | None = None
-    ) -> list[dict[str, Any]]:
-        return [
-            e
-            for e in read_events(self.run_dir)
-            if (name is None or e.get("event") == name)
-            and (request_id is None or e.get("request_id") == request_id)
-        ]
-
-    def pid_of(self, actor: str) -> int:
-        starts = [e for e in self.events("actor.started") if e.get("actor") == actor]
-        return int(starts[-1]["pid"])
-
-
-@contextmanager
-def start_runtime(
-    model: Path, run_dir: Path, *flags: str, timeout: float = 90.0
-) -> Iterator[Runtime]:
-    """``minirt up`` in a subprocess; yields once it printed ``minirt ready``; stops it after."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "actors.cli",
-        "up",
-        "--model",
-        str(model),
-        "--run-dir",
-        str(run_dir),
-        *flags,
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        endpoint = None
-        assert proc.stdout is not None
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("minirt ready "):
-                endpoint = line.split()[2]
-                break
-        if endpoint is None:
-            raise RuntimeError("minirt up did not become ready:\n" + "".join(lines))
-        yield Runtime(run_dir, proc, endpoint)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 async def query(endpoint: str, msg: Any, reply_type: Any, timeout: float = 5.0) -> Any:
