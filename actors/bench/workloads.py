@@ -4,8 +4,9 @@ for a seed. Token ids are drawn from [16, vocab) so no special token appears by 
 - ``w1``: 64 requests, prompts uniform 32..256 tokens, 64 new tokens, all at t=0.
 - ``w2``: prefix sharing: 8 system prompts of 768 tokens, each shared by 8 requests with a unique
   16..64-token suffix, 64 new tokens, all at t=0 (what a chat service with system prompts sees).
-- ``mix``: long + short: 4 prompts of 2,000 tokens at t=0, then 60 prompts of 50 tokens arriving
-  over the next second; 32 new tokens. Shows head-of-line blocking of short requests.
+- ``mix``: long + short: 64 requests arriving evenly over one second, 4 of them (the first, the
+  17th, ...) with 2,000-token prompts, the rest 50 tokens; 32 new tokens. Shows head-of-line
+  blocking of short requests behind long ones.
 - ``chat``: multi-turn: 16 conversations x 4 turns; each turn's prompt is the previous prompt +
   the previous answer + 32 new user tokens, sent when the previous turn finished.
 - ``poisson``: W1-like requests (fewer new tokens) arriving as a Poisson process at ``rate``/s.
@@ -59,28 +60,30 @@ def w2(
 def mix(
     vocab: int,
     seed: int = 0,
+    n: int = 64,
     longs: int = 4,
-    shorts: int = 60,
     long_len: int = 2000,
     short_len: int = 50,
     new_tokens: int = 32,
     spread_s: float = 1.0,
 ) -> list[Job]:
+    """``n`` requests arriving evenly over ``spread_s``; ``longs`` of them (evenly placed, the
+    first at t=0) have ``long_len``-token prompts, the rest ``short_len``."""
     rng = random.Random(seed)
-    jobs = [
-        Job(f"long-{i}", _ids(rng, long_len, vocab), new_tokens, 0.0, tags=("long",))
-        for i in range(longs)
-    ]
-    jobs += [
-        Job(
-            f"short-{i}",
-            _ids(rng, short_len, vocab),
-            new_tokens,
-            0.01 + spread_s * i / shorts,
-            tags=("short",),
+    every = n // longs
+    jobs = []
+    for i in range(n):
+        long = i % every == 0 and i // every < longs
+        kind = "long" if long else "short"
+        jobs.append(
+            Job(
+                f"{kind}-{i}",
+                _ids(rng, long_len if long else short_len, vocab),
+                new_tokens,
+                spread_s * i / n,
+                tags=(kind,),
+            )
         )
-        for i in range(shorts)
-    ]
     return jobs
 
 
