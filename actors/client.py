@@ -127,7 +127,7 @@ class AsyncClient:
         while True:
             try:
                 frames = await self.sock.recv()
-            except zmq.ZMQError:
+            except (zmq.ZMQError, trio.ClosedResourceError):
                 if self.sock.closed:
                     return  # close() was called: the connection is gone on purpose
                 raise

@@ -49,6 +49,8 @@ class SchedulerConfig:
     max_preemptions: int = 3  # past this, re-admit with a full reservation (no more thrash)
     max_wait_s: float = 60.0  # aging: a request waiting longer goes first, whatever the policy
     priority_preemption: bool = False  # priority policy: may preempt running lower-priority work
+    prefix_defer_tokens: int = 64  # hold back requests sharing this many prompt tokens with one
+    # being prefilled until that prefill is done, so they hit the cache (0: off)
     metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:PORT (0: any free port)
 
 

@@ -12,6 +12,7 @@ fast path is a non-blocking send, and at the high-water mark the sender waits (b
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -45,6 +46,8 @@ class ZSocket:
     # ---------------------------------------------------------------- receive
     def recv_nowait(self) -> list[bytes] | None:
         """One multipart message if one is waiting, else None. Never blocks."""
+        if self.closed:
+            raise trio.ClosedResourceError("socket closed")
         try:
             return self.sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
@@ -76,6 +79,11 @@ class ZSocket:
 
                 nursery.start_soon(fd_ready)
                 nursery.start_soon(woken)
+        except (BaseExceptionGroup, OSError, trio.ClosedResourceError):
+            # Closed while parked: trio may report the dead fd as EBADF; say what happened.
+            if self.closed:
+                raise trio.ClosedResourceError("socket closed") from None
+            raise
         finally:
             self._parked = False
 
@@ -113,8 +121,11 @@ class ZSocket:
         raise SendTimeout(f"send to {self.sock.getsockopt(zmq.LAST_ENDPOINT)!r} timed out")
 
     def close(self) -> None:
+        """Close now. A task parked in ``recv`` gets ``trio.ClosedResourceError``."""
         if not self.closed:
             self.closed = True
+            with contextlib.suppress(RuntimeError):  # outside trio there is no waiter to tell
+                trio.lowlevel.notify_closing(self._fd)
             self._wake.set()
             self.sock.close(linger=0)
 

@@ -21,8 +21,8 @@ from gpu.executor import Executor, ExecutorInputError, StepResult
 from gpu.sampling import SamplingParams
 from messages import common
 from messages import executor as xm
-from messages.kv import CachePrefix, Grow
-from messages.scheduler import RequestDone
+from messages.kv import Grow
+from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
@@ -253,10 +253,7 @@ class ExecutorActor(Actor):
                     request_id=rid,
                     ttft_s=round(time.monotonic() - fl.started, 6),
                 )
-                self.send(
-                    "kv_manager",
-                    CachePrefix(request_id=rid, attempt=fl.attempt, token_ids=fl.prompt),
-                )
+                self.send("scheduler", PrefillDone(request_id=rid, attempt=fl.attempt))
             if out.finish_reason is not None:
                 self.flight.pop(rid)
                 kv_tokens = fl.prompt + fl.outputs[:-1]

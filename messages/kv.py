@@ -33,8 +33,9 @@ class Finish(Msg, tag="kv_finish"):
 
 
 class CachePrefix(Msg, tag="kv_cache_prefix"):
-    """Executor -> KV: the request's prompt KV is written (prefill done); cache its full blocks so
-    requests admitted while it runs can share them."""
+    """Scheduler -> KV: the request's prompt KV is written (prefill done); cache its full blocks so
+    requests admitted while it runs can share them. Sent by the scheduler (not the executor) so it
+    reaches the KV manager before the admissions that should hit it."""
 
     request_id: str
     attempt: int

@@ -77,6 +77,15 @@ class RequestDone(Msg, tag="done"):
     field: str | None = None
 
 
+class PrefillDone(Msg, tag="prefill_done"):
+    """Executor -> scheduler: the request's prompt KV is all written (its first token is out).
+    The scheduler then has the KV manager cache the prompt's full blocks and admits requests it
+    held back because they share that prompt's prefix."""
+
+    request_id: str
+    attempt: int
+
+
 class Completed(Msg, tag="completed"):
     """Tokenizer -> scheduler: a request ended (for metrics). Seconds for the timings."""
 
@@ -100,5 +109,6 @@ SchedulerInbound = (
     | GrowthShortage
     | BlocksFreed
     | RequestDone
+    | PrefillDone
     | Completed
 )

@@ -11,7 +11,7 @@ from actors.scheduler.state import SchedRequest
 from messages import executor as xm
 from messages import kv as km
 from messages.common import SamplingParams
-from messages.scheduler import AdmitResult, RequestDone, Submit
+from messages.scheduler import AdmitResult, PrefillDone, RequestDone, Submit
 
 
 def req(rid: str, n: int = 4, priority: int = 0, seq: int = 0, t: float = 0.0) -> SchedRequest:
@@ -137,3 +137,43 @@ def test_scheduler_bench_keeps_batch_and_queue_sizes():
 
     for policy in ("fcfs", "lpm"):
         assert measure(policy, waiting=300, running=32, decisions=20) > 0
+
+
+def test_requests_sharing_a_prefix_wait_for_its_prefill_then_hit_the_cache():
+    core = _core("fcfs", prefix_defer_tokens=8)
+    shared = list(range(100, 108))
+
+    def sub(rid, tail):
+        core.submit(
+            Submit(request_id=rid, prompt_ids=shared + tail, params=SamplingParams(), arrival=0.0)
+        )
+
+    sub("a", [1, 2])
+    core.admit_result(AdmitResult(request_id="a", attempt=1, ok=True, block_table=[0, 1, 2]))
+    core.take_outbox()
+    sub("b", [3])
+    core.submit(
+        Submit(request_id="other", prompt_ids=[9] * 12, params=SamplingParams(), arrival=0.0)
+    )
+    out = core.take_outbox()
+    asks = [m.request_id for _, m in out if isinstance(m, km.Admit)]
+    assert asks == ["other"]
+    core.admit_result(AdmitResult(request_id="other", attempt=1, ok=True, block_table=[5, 6]))
+    core.take_outbox()
+    core.prefill_done(PrefillDone(request_id="a", attempt=1))
+    out = core.take_outbox()
+    kinds = [(type(m).__name__, getattr(m, "request_id", "")) for _, m in out]
+    # the prefix is cached first, then the held request is admitted (same connection, in order)
+    assert kinds[:2] == [("CachePrefix", "a"), ("Admit", "b")]
+
+
+def test_a_held_request_that_is_aborted_is_not_readmitted():
+    core = _core("fcfs", prefix_defer_tokens=8)
+    p = list(range(50, 60))
+    core.submit(Submit(request_id="a", prompt_ids=p, params=SamplingParams(), arrival=0.0))
+    core.admit_result(AdmitResult(request_id="a", attempt=1, ok=True, block_table=[0]))
+    core.submit(Submit(request_id="b", prompt_ids=p + [1], params=SamplingParams(), arrival=0.0))
+    core.abort("b", "cancel")
+    core.take_outbox()
+    core.prefill_done(PrefillDone(request_id="a", attempt=1))
+    assert not [m for _, m in core.take_outbox() if isinstance(m, km.Admit)]

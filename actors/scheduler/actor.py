@@ -20,6 +20,7 @@ from messages.scheduler import (
     BlocksFreed,
     Completed,
     GrowthShortage,
+    PrefillDone,
     RequestDone,
     SchedulerInbound,
     Submit,
@@ -100,6 +101,8 @@ class SchedulerActor(Actor):
         elif isinstance(msg, BlocksFreed):
             core.blocks_freed(msg)
             self.metrics.kv(msg.in_use, msg.num_blocks)
+        elif isinstance(msg, PrefillDone):
+            core.prefill_done(msg)
         elif isinstance(msg, Completed):
             self.metrics.completed(msg)
         self._flush()

@@ -32,12 +32,15 @@ def measure(policy: str, waiting: int, running: int, decisions: int, seed: int =
     cfg = SchedulerConfig(policy=policy, max_batch_size=running, max_waiting=waiting + running + 1)
     core = SchedulerCore(cfg, KVConfig(block_size=16), _NullLog(), time.monotonic)
 
+    pool = [[rng.randrange(32000) for _ in range(512)] for _ in range(64)]
+    lengths = [rng.randint(16, 512) for _ in range(running + waiting + decisions)]
+
     def submit(i: int) -> None:
-        n = rng.randint(16, 512)
+        n = lengths[i]
         core.submit(
             Submit(
                 request_id=f"r{i}",
-                prompt_ids=[1] * n,
+                prompt_ids=[i // 32000, i % 32000, *pool[i % 64][:n]],  # distinct, premade
                 params=SamplingParams(priority=rng.randint(0, 3)),
                 arrival=0.0,
             )
@@ -58,9 +61,9 @@ def measure(policy: str, waiting: int, running: int, decisions: int, seed: int =
 
     for i in range(running + waiting):
         submit(i)
-        if i < running:
-            answer()
-    answer()
+        for _ in range(4):  # lpm: a match query, then the admission
+            if i < running:
+                answer()
     core.take_outbox()
     assert len(core.running) == running and len(core.queue) == waiting, (
         len(core.running),

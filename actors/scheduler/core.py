@@ -18,13 +18,21 @@ from typing import Any
 import msgspec
 
 from actors.config import KVConfig, SchedulerConfig
+from actors.scheduler.prefix_defer import PrefixDeferral
 from actors.scheduler.queue import LPMQueue, make_queue
 from actors.scheduler.state import SchedRequest, Status
 from messages import executor as xm
 from messages import kv as km
 from messages import tokenizer as tm
 from messages.common import ErrorCode
-from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, RequestDone, Submit
+from messages.scheduler import (
+    AdmitResult,
+    BlocksFreed,
+    GrowthShortage,
+    PrefillDone,
+    RequestDone,
+    Submit,
+)
 
 Outgoing = tuple[str, msgspec.Struct]
 
@@ -43,6 +51,7 @@ class SchedulerCore:
         self.clock = clock
         self.queue = make_queue(cfg.policy, cfg.max_wait_s)
         self.matching = False  # lpm: a MatchQuery is out
+        self.defer = PrefixDeferral(cfg.prefix_defer_tokens)
         self.requests: dict[str, SchedRequest] = {}
         self.running: dict[str, SchedRequest] = {}  # holds blocks (running/preempting/stopping)
         self.admitting: SchedRequest | None = None
@@ -74,6 +83,7 @@ class SchedulerCore:
 
     def _drop(self, req: SchedRequest) -> None:
         req.status = Status.DONE
+        self._release_prefix(req.request_id)
         self.requests.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
         self.queue.remove(req.request_id)
@@ -185,6 +195,7 @@ class SchedulerCore:
             self.schedule()
             return
         self.queue.remove(req.request_id)
+        self.defer.admitted(req, msg.cached_tokens)
         self._admit_seq += 1
         req.admitted_seq = self._admit_seq
         req.status = Status.RUNNING
@@ -250,6 +261,7 @@ class SchedulerCore:
                 "kv_manager", km.Release(request_id=rid, attempt=req.attempt, reason="preempted")
             )
             self.running.pop(rid, None)
+            self._release_prefix(rid)
             req.output_ids.extend(msg.output_ids)
             req.preemptions += 1
             req.status = Status.WAITING
@@ -339,6 +351,7 @@ class SchedulerCore:
                     km.Release(request_id=req.request_id, attempt=req.attempt, reason="reset"),
                 )
             self._fail(req, ErrorCode.ACTOR_DEAD, f"{reason}; request aborted")
+        self.defer.clear()
         self.admitting = None
         self.preempting = None
         self.kv_blocked = False
@@ -364,7 +377,19 @@ class SchedulerCore:
                 self._emit("kv_manager", km.MatchQuery(token_lists=[r.tokens_now() for r in cands]))
                 return
         req = self.queue.peek(now)
-        if req is None:
+        held = 0
+        while req is not None and held < 64 and (owner := self.defer.owner_for(req)) is not None:
+            self.queue.remove(req.request_id)
+            self.defer.hold(req)
+            self.log.info(
+                "request.deferred",
+                request_id=req.request_id,
+                prefix_of=owner,
+                prefix_tokens=self.defer.tokens,
+            )
+            held += 1
+            req = self.queue.peek(now)
+        if req is None or held >= 64:
             return
         if self.queue.aged(req, now):
             self.log.info(
@@ -383,6 +408,24 @@ class SchedulerCore:
                 reserve_tokens=self._reserve(req),
             ),
         )
+
+    def prefill_done(self, msg: PrefillDone) -> None:
+        """Cache the prompt's full blocks, then readmit the requests that waited for them."""
+        req = self.running.get(msg.request_id)
+        if req is None or req.attempt != msg.attempt:
+            return
+        self._emit(
+            "kv_manager",
+            km.CachePrefix(
+                request_id=req.request_id, attempt=req.attempt, token_ids=req.tokens_now()
+            ),
+        )
+        self._release_prefix(req.request_id)
+        self.schedule()
+
+    def _release_prefix(self, rid: str) -> None:
+        for r in reversed(self.defer.release(rid)):
+            self.queue.push_front(r)
 
     def match_reply(self, msg: km.MatchReply) -> None:
         """lpm: cached prefix lengths of the candidates, in the order they were asked."""
