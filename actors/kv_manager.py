@@ -74,7 +74,7 @@ class KVManagerActor(Actor):
             self._admit(msg)
         elif isinstance(msg, km.Grow):
             if self._current(msg.request_id, msg.attempt):
-                self._grow(msg.request_id, msg.attempt, msg.total_tokens, report=True)
+                self._grow(msg.request_id, msg.attempt, msg.total_tokens)
         elif isinstance(msg, km.CachePrefix):
             if self._current(msg.request_id, msg.attempt):
                 try:
@@ -200,7 +200,9 @@ class KVManagerActor(Actor):
             ),
         )
 
-    def _grow(self, rid: str, attempt: int, total: int, report: bool) -> bool:
+    def _grow(self, rid: str, attempt: int, total: int) -> bool:
+        """Grant blocks for ``total`` tokens, or record the shortage and report it (the scheduler
+        decides whether to preempt). True if granted."""
         res = self.kv.extend(rid, total)
         if isinstance(res, Extended):
             self.pending_growth.pop(rid, None)
@@ -215,24 +217,23 @@ class KVManagerActor(Actor):
                 )
             return True
         self.pending_growth[rid] = (attempt, total)
-        if report:
-            self.log.info(
-                "kv.shortage",
+        self.log.info(
+            "kv.shortage",
+            request_id=rid,
+            blocks_needed=res.blocks_needed,
+            blocks_free=res.blocks_free,
+            blocks_evictable=res.blocks_evictable,
+        )
+        self.send(
+            "scheduler",
+            GrowthShortage(
                 request_id=rid,
+                attempt=attempt,
                 blocks_needed=res.blocks_needed,
                 blocks_free=res.blocks_free,
                 blocks_evictable=res.blocks_evictable,
-            )
-            self.send(
-                "scheduler",
-                GrowthShortage(
-                    request_id=rid,
-                    attempt=attempt,
-                    blocks_needed=res.blocks_needed,
-                    blocks_free=res.blocks_free,
-                    blocks_evictable=res.blocks_evictable,
-                ),
-            )
+            ),
+        )
         return False
 
     def _after_free(self, rid: str, reason: str, freed: list[int]) -> None:
@@ -248,5 +249,5 @@ class KVManagerActor(Actor):
         for other, (attempt, total) in list(self.pending_growth.items()):
             if not self._current(other, attempt):
                 self.pending_growth.pop(other, None)
-            elif not self._grow(other, attempt, total, report=True):
+            elif not self._grow(other, attempt, total):
                 break  # oldest first: the rest wait for the next free
