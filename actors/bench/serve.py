@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 import tempfile
@@ -195,6 +196,9 @@ def compare_rows(
 
 
 def main(argv: list[str]) -> int:
+    # Same OpenMP settings as the executor actor, for the in-process comparisons (set before
+    # torch loads).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     a = _args(list(argv))
     vocab, context = 32000, 4096
     if a.model or a.start:
