@@ -42,9 +42,7 @@ async def test_sigkill_actor_fails_inflight_then_recovers(victim, tiny_model, tm
                 old_pid = rt.pid_of(victim)
                 killed_at = time.monotonic()
                 os.kill(old_pid, signal.SIGKILL)
-                with trio.fail_after(10):
-                    while len(outcomes) < 6:
-                        await trio.sleep(0.05)
+                await wait_until(lambda: len(outcomes) == 6, timeout=10)
                 ended_after = time.monotonic() - killed_at
         errors = [o for o in outcomes if isinstance(o, RequestError)]
         assert len(errors) >= 5, outcomes  # at most the one running request may have finished

@@ -168,21 +168,18 @@ class TokenizerService(Actor):
 
     def on_peer_dead(self, name: str, reason: str) -> None:
         for req in list(self.live.values()):
-            self.log.info(
-                "request.failed",
-                request_id=req.request_id,
-                code=ErrorCode.ACTOR_DEAD,
-                reason=reason,
-            )
-            self._to_client(
-                req.ident,
-                ErrorReply(
-                    code=ErrorCode.ACTOR_DEAD,
-                    request_id=req.request_id,
-                    message=f"{reason}; request aborted",
-                ),
-            )
-            self._forget(req)
+            self._fail(req, ErrorCode.ACTOR_DEAD, f"{reason}; request aborted")
+
+    def _fail(self, req: Live, code: str, message: str, field: str | None = None) -> None:
+        """End the request with an error to its client and the terminal ``request.failed`` event."""
+        self._forget(req)  # first: a failed send aborts the client's live requests
+        self.log.info("request.failed", request_id=req.request_id, code=code, reason=message)
+        self._to_client(
+            req.ident,
+            ErrorReply(
+                code=ErrorCode(code), message=message, request_id=req.request_id, field=field
+            ),
+        )
 
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
         rid = msg.request_id or uuid.uuid4().hex
@@ -250,10 +247,7 @@ class TokenizerService(Actor):
             return
         self.log.info("request.aborted", request_id=rid, reason=reason)
         self.send("scheduler", Abort(request_id=rid, reason=reason))
-        if notify_client:
-            self._finish(req, "abort", None)
-        else:
-            self._forget(req)
+        self._finish(req, "abort", None, notify_client=notify_client)
 
     # ------------------------------------------------------------ actor side
     def handle(self, ident: bytes, msg: Any) -> None:
@@ -268,19 +262,7 @@ class TokenizerService(Actor):
         elif isinstance(msg, RequestFailed):
             req = self.live.get(msg.request_id)
             if req is not None:
-                self.log.info(
-                    "request.failed", request_id=req.request_id, code=msg.code, reason=msg.message
-                )
-                self._to_client(
-                    req.ident,
-                    ErrorReply(
-                        code=ErrorCode(msg.code),
-                        message=msg.message,
-                        request_id=req.request_id,
-                        field=msg.field,
-                    ),
-                )
-                self._forget(req)
+                self._fail(req, msg.code, msg.message, msg.field)
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         now = time.monotonic()
@@ -308,7 +290,14 @@ class TokenizerService(Actor):
             elif ev.finish_reason is not None:
                 self._finish(req, ev.finish_reason, None)
 
-    def _finish(self, req: Live, reason: str, stop_reason: str | None) -> None:
+    def _finish(
+        self, req: Live, reason: str, stop_reason: str | None, notify_client: bool = True
+    ) -> None:
+        """End the request: ``Final`` to the client (unless it is gone), metrics to the scheduler,
+        and the terminal ``request.completed`` event."""
+        # Forget first: sending the Final may find the client gone, and that aborts its
+        # remaining requests - this one must not be among them (it would end twice).
+        self._forget(req)
         now = time.monotonic()
         n = req.completion_tokens
         timings = cm.Timings(
@@ -320,17 +309,18 @@ class TokenizerService(Actor):
         usage = cm.Usage(
             prompt_tokens=req.prompt_tokens, completion_tokens=n, cached_tokens=req.cached_tokens
         )
-        self._to_client(
-            req.ident,
-            cm.Final(
-                request_id=req.request_id,
-                finish_reason=reason,
-                usage=usage,
-                timings=timings,
-                stop_reason=stop_reason,
-                preemptions=max(0, req.attempts - 1),
-            ),
-        )
+        if notify_client:
+            self._to_client(
+                req.ident,
+                cm.Final(
+                    request_id=req.request_id,
+                    finish_reason=reason,
+                    usage=usage,
+                    timings=timings,
+                    stop_reason=stop_reason,
+                    preemptions=max(0, req.attempts - 1),
+                ),
+            )
         self.send(
             "scheduler",
             Completed(
@@ -352,7 +342,6 @@ class TokenizerService(Actor):
             usage=msgspec.structs.asdict(usage),
             timings=msgspec.structs.asdict(timings),
         )
-        self._forget(req)
 
     def _forget(self, req: Live) -> None:
         self.live.pop(req.request_id, None)
