@@ -231,7 +231,6 @@ class Actor:
                     if was_down:
                         self.on_peer_back(peer.name)
             elif isinstance(msg, HelloAck):
-                peer.acked.set()
                 if not msg.ok:
                     self.log.error(
                         "protocol.error", peer=peer.name, reason=msg.reason, code=ErrorCode.VERSION

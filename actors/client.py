@@ -86,6 +86,13 @@ def build_generate(
     )
 
 
+def _ends_stream(msg: Any) -> bool:
+    """True for a request's last message; raises ``RequestError`` for an error reply."""
+    if isinstance(msg, ErrorReply):
+        raise RequestError(msg)
+    return isinstance(msg, cm.Final)
+
+
 def _apply(result: Result, msg: Any) -> bool:
     """Fold one server message into ``result``; True when it ends the request."""
     if isinstance(msg, cm.Delta):
@@ -198,13 +205,11 @@ class AsyncClient:
         try:
             await self.sock.send([encode(req)])
             async for msg in recv:
-                if isinstance(msg, ErrorReply):
-                    done = True
-                    raise RequestError(msg)
-                yield msg
-                if isinstance(msg, cm.Final):
-                    done = True
+                done = isinstance(msg, (ErrorReply, cm.Final))
+                if _ends_stream(msg):
+                    yield msg
                     return
+                yield msg
         finally:
             self._streams.pop(req.request_id, None)
             if not done:
@@ -327,13 +332,11 @@ class SyncClient:
                 msg = self._recv()
                 if getattr(msg, "request_id", req.request_id) != req.request_id:
                     continue
-                if isinstance(msg, ErrorReply):
-                    done = True
-                    raise RequestError(msg)
-                yield msg
-                if isinstance(msg, cm.Final):
-                    done = True
+                done = isinstance(msg, (ErrorReply, cm.Final))
+                if _ends_stream(msg):
+                    yield msg
                     return
+                yield msg
         finally:
             if not done:
                 self.sock.send(encode(Cancel(request_id=req.request_id)))

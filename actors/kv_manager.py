@@ -14,10 +14,19 @@ from typing import Any
 
 from actors.base import Actor
 from actors.config import RuntimeConfig
-from actors.kv import Extended, KVError, KVManager, Refused
+from actors.kv import Extended, KVError, KVManager, Refused, Shortage
 from messages import kv as km
 from messages.executor import Extend
 from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage
+
+
+def _numbers(res: Refused | Shortage) -> dict[str, int]:
+    """The block counts behind a refusal or a shortage, as events and messages name them."""
+    return {
+        "blocks_needed": res.blocks_needed,
+        "blocks_free": res.blocks_free,
+        "blocks_evictable": res.blocks_evictable,
+    }
 
 
 class KVManagerActor(Actor):
@@ -146,14 +155,9 @@ class KVManagerActor(Actor):
         except KVError as e:
             res = Refused(str(e), 0, self.kv.pool.num_free, 0, fatal=True)
         if isinstance(res, Refused):
+            nums = _numbers(res)
             self.log.info(
-                "admission.refused",
-                request_id=rid,
-                reason=res.reason,
-                blocks_needed=res.blocks_needed,
-                blocks_free=res.blocks_free,
-                blocks_evictable=res.blocks_evictable,
-                fatal=res.fatal,
+                "admission.refused", request_id=rid, reason=res.reason, fatal=res.fatal, **nums
             )
             self.send(
                 "scheduler",
@@ -162,10 +166,10 @@ class KVManagerActor(Actor):
                     attempt=msg.attempt,
                     ok=False,
                     reason=res.reason,
+                    fatal=res.fatal,
                     blocks_needed=res.blocks_needed,
                     blocks_free=res.blocks_free,
                     blocks_evictable=res.blocks_evictable,
-                    fatal=res.fatal,
                 ),
             )
             return
@@ -217,23 +221,8 @@ class KVManagerActor(Actor):
                 )
             return True
         self.pending_growth[rid] = (attempt, total)
-        self.log.info(
-            "kv.shortage",
-            request_id=rid,
-            blocks_needed=res.blocks_needed,
-            blocks_free=res.blocks_free,
-            blocks_evictable=res.blocks_evictable,
-        )
-        self.send(
-            "scheduler",
-            GrowthShortage(
-                request_id=rid,
-                attempt=attempt,
-                blocks_needed=res.blocks_needed,
-                blocks_free=res.blocks_free,
-                blocks_evictable=res.blocks_evictable,
-            ),
-        )
+        self.log.info("kv.shortage", request_id=rid, **_numbers(res))
+        self.send("scheduler", GrowthShortage(request_id=rid, attempt=attempt, **_numbers(res)))
         return False
 
     def _after_free(self, rid: str, reason: str, freed: list[int]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import trio
 import zmq
 
 from actors.transport import ZSocket
@@ -28,7 +27,6 @@ class Peer:
         self.last_seen = 0.0  # monotonic time of the last Pong; 0 = never
         self.alive = False
         self.nonce = 0
-        self.acked = trio.Event()
 
     def heard(self, boot_id: str) -> str | None:
         """Record a Pong. Returns "back" (first contact or after a death), "restarted" (new

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -177,13 +176,3 @@ def open_socket(
     for addr in connect:
         sock.connect(addr)
     return ZSocket(sock, send_timeout=send_timeout)
-
-
-@asynccontextmanager
-async def socket_scope(*socks: ZSocket) -> AsyncIterator[None]:
-    """Close the given sockets on exit, whatever happens."""
-    try:
-        yield
-    finally:
-        for s in socks:
-            s.close()

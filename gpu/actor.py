@@ -235,7 +235,6 @@ class ExecutorActor(Actor):
     # -------------------------------------------------------------- outbound
     def _publish(self, result: StepResult) -> None:
         events: list[TokenEvent] = []
-        bs = self.ex.block_size
         for out in result.outputs:
             if out.token_id is None:
                 continue
@@ -271,7 +270,7 @@ class ExecutorActor(Actor):
                 continue
             # Grow ahead of need: the next step writes KV for prompt + outputs tokens.
             need = out.num_prompt_tokens + out.num_output_tokens
-            capacity = len(self.ex.block_table(rid)) * bs
+            capacity = self.ex.capacity(rid)
             if capacity < need + self.lookahead and fl.grow_asked < need + self.lookahead:
                 fl.grow_asked = need + self.lookahead
                 self.send(

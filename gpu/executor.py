@@ -85,9 +85,6 @@ class Executor:
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
         self.block_size = block_size
-        self.chunk_cap = chunk_cap
-        self.step_budget = step_budget
-        self.max_batch_size = max_batch_size
         per_block = PagedKVCache.bytes_per_block(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.dtype
         )
@@ -185,6 +182,11 @@ class Executor:
 
     def num_requests(self) -> int:
         return len(self._prefilling) + len(self._decoding)
+
+    def capacity(self, request_id: str) -> int:
+        """Tokens the request's block table can hold (KeyError if not in flight). O(1)."""
+        req = self._prefilling.get(request_id) or self._decoding[request_id]
+        return len(req.table) * self.block_size
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (KeyError if not in flight)."""

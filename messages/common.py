@@ -26,7 +26,6 @@ class ErrorCode(enum.StrEnum):
     VERSION = "version_mismatch"
     OVERLOADED = "overloaded"
     TOO_LONG = "too_long"  # prompt longer than the model's context or the KV pool
-    UNKNOWN_REQUEST = "unknown_request"
     ACTOR_DEAD = "actor_dead"
     INTERNAL = "internal"
 

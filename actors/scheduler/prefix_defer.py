@@ -56,9 +56,6 @@ class PrefixDeferral:
         self.owners.pop(key, None)
         return [r for r in self.held.pop(key, []) if r.status is not Status.DONE]
 
-    def num_held(self) -> int:
-        return sum(len(v) for v in self.held.values())
-
     def clear(self) -> list[SchedRequest]:
         held = [r for v in self.held.values() for r in v]
         self.owners.clear()
