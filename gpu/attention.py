@@ -1,9 +1,11 @@
 """Paged attention over a flat, unpadded batch mixing single-token decodes and prefill chunks.
 
 Row order of the flat batch: all decodes first (one row each), then each prefill chunk's rows.
-Decodes are attended together: their context slots are gathered from the cache into
-``[kv_heads, B, L, head_dim]`` (L = longest context rounded up to a block, a mask hides the
-tail) and two batched matmuls compute all of them. Each prefill chunk runs one
+Decodes are attended in a few groups of similar context length (see :func:`group_by_length`):
+each group's context blocks are gathered from the cache into ``[kv_heads, B, L, head_dim]``
+(L = the group's longest context rounded up to a block, a mask hides the tail) and two batched
+matmuls compute the whole group. Grouping bounds the padding: one group for contexts of 100 and
+300 tokens would gather and multiply 50% padding. Each prefill chunk runs one
 ``scaled_dot_product_attention``: a chunk with no cached context attends to its own K/V with a
 causal mask (no gather); a chunk that starts mid-prompt gathers its whole context from the cache
 and uses a causal mask offset by its start.
@@ -33,15 +35,72 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows attended together, all padded to ``length`` context slots."""
+
+    rows: torch.Tensor | None  # [n] int64 decode rows of the group; None = all rows, in order
+    blocks: torch.Tensor  # [kv_heads * n * L / block_size] int64 rows of cache.block_k views
+    bias: torch.Tensor  # [1, n, 1, L] float: 0 where attended, -inf on padding
+    length: int
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step, built once and shared by all layers."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot written by each row
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [kv_heads * B * L] int64: flat cache rows of each context
-    decode_bias: torch.Tensor | None  # [1, B, 1, L] float: 0 where attended, -inf on padding
-    decode_len: int
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+
+
+# Cost model for grouping decodes, in gathered blocks: a group costs its rows times its padded
+# block count, plus a fixed cost for the extra kernel launches (measured on CPU: one group's fixed
+# cost is about that of gathering and multiplying 64 blocks of context).
+GROUP_COST_BLOCKS = 64
+_MAX_CANDIDATES = 48
+
+
+def group_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS) -> list[list[int]]:
+    """Partition row indices into groups of similar block counts, minimizing
+    ``sum(len(group) * max block count in group) + group_cost * number of groups``.
+
+    Pure; exact over the distinct block counts (at most 48 candidate boundaries, coarser above).
+    Groups come out shortest first; rows inside a group keep ascending order.
+    """
+    if not nblocks:
+        return []
+    order = sorted(range(len(nblocks)), key=nblocks.__getitem__)
+    vals = sorted(set(nblocks))
+    if len(vals) > _MAX_CANDIDATES:  # keep evenly spaced boundaries (the maximum always)
+        step = len(vals) / _MAX_CANDIDATES
+        vals = sorted(
+            {vals[min(len(vals) - 1, int((i + 1) * step) - 1)] for i in range(_MAX_CANDIDATES)}
+        )
+        vals[-1] = max(nblocks)
+    # count[j]: rows with block count <= vals[j]
+    count, i = [], 0
+    for v in vals:
+        while i < len(order) and nblocks[order[i]] <= v:
+            i += 1
+        count.append(i)
+    best = [0.0] + [float("inf")] * len(vals)  # best[j]: cost of rows up to vals[j-1]
+    cut = [0] * (len(vals) + 1)
+    for j in range(1, len(vals) + 1):
+        for k in range(j):
+            c = best[k] + (count[j - 1] - (count[k - 1] if k else 0)) * vals[j - 1] + group_cost
+            if c < best[j]:
+                best[j], cut[j] = c, k
+    bounds, j = [], len(vals)
+    while j > 0:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    groups = []
+    for k, j in reversed(bounds):
+        lo, hi = (count[k - 1] if k else 0), count[j - 1]
+        if hi > lo:
+            groups.append(sorted(order[lo:hi]))
+    return groups
 
 
 def build_metadata(
@@ -50,32 +109,37 @@ def build_metadata(
     cache: PagedKVCache,
     dtype: torch.dtype,
     device: torch.device,
+    group_cost: int = GROUP_COST_BLOCKS,
 ) -> AttentionMetadata:
     """Slot mapping and per-path index tensors for one step; pure (reads the lists only).
 
     ``decodes``: ``(block_table, position)`` per decode row. ``prefills``: ``(block_table, start,
     length)`` per chunk. Tables must cover the positions (the executor checks before calling).
-    Gather indices address ``cache.flat_k[layer]`` (``[kv_heads * num_slots, head_dim]``).
+    Prefill gather indices address ``cache.flat_k[layer]`` (``[kv_heads * num_slots,
+    head_dim]``); decode ones address ``cache.block_k[layer]`` (one row per block and head).
+    ``group_cost``: see :func:`group_by_length`.
     """
     bs = cache.block_size
-    heads = torch.arange(cache.num_kv_heads, dtype=torch.long)[:, None] * cache.num_slots
+    heads = torch.arange(cache.num_kv_heads, dtype=torch.long)[:, None]
 
     def rows(slots: torch.Tensor) -> torch.Tensor:
-        return (heads + slots[None, :]).reshape(-1).to(device)
+        return (heads * cache.num_slots + slots[None, :]).reshape(-1).to(device)
 
     slots: list[int] = [t[p // bs] * bs + p % bs for t, p in decodes]
-    dec_slots = dec_bias = None
-    dec_len = 0
-    if decodes:
-        nblk = max(p for _, p in decodes) // bs + 1
-        dec_len = nblk * bs
-        table = torch.tensor([(t[:nblk] + [0] * nblk)[:nblk] for t, _ in decodes], dtype=torch.long)
-        offs = torch.arange(bs, dtype=torch.long)
-        dec_slots = rows((table[:, :, None] * bs + offs).reshape(-1))
-        ctx = torch.tensor([p + 1 for _, p in decodes], dtype=torch.long)
-        pad = torch.arange(dec_len)[None, :] >= ctx[:, None]
+    groups: list[DecodeGroup] = []
+    members = group_by_length([p // bs + 1 for _, p in decodes], group_cost)
+    for member in members:
+        nblk = max(decodes[r][1] for r in member) // bs + 1
+        table = torch.tensor(
+            [(decodes[r][0][:nblk] + [0] * nblk)[:nblk] for r in member], dtype=torch.long
+        )
+        blocks = (heads[:, :, None] * cache.num_blocks + table[None]).reshape(-1).to(device)
+        ctx = torch.tensor([decodes[r][1] + 1 for r in member], dtype=torch.long)
+        pad = torch.arange(nblk * bs)[None, :] >= ctx[:, None]
         bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
-        dec_bias = bias[None, :, None, :].to(device)
+        in_order = len(members) == 1
+        sel = None if in_order else torch.tensor(member, dtype=torch.long, device=device)
+        groups.append(DecodeGroup(sel, blocks, bias[None, :, None, :].to(device), nblk * bs))
     chunks: list[PrefillChunk] = []
     row = len(decodes)
     parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
@@ -93,7 +157,26 @@ def build_metadata(
             chunks.append(PrefillChunk(row, length, start, rows(ctx_slots), mask.to(device)))
         row += length
     slot_mapping = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(slot_mapping, len(decodes), dec_slots, dec_bias, dec_len, chunks)
+    return AttentionMetadata(slot_mapping, len(decodes), groups, chunks)
+
+
+def _decode_group(
+    q: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    kv_heads: int,
+    g: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of decode queries ``q`` (``[n, heads, d]``) over group ``g``'s contexts, whose
+    blocks are gathered from ``kb``/``vb`` (``cache.block_k[layer]`` and the V twin)."""
+    n, heads, d = q.shape
+    qd = q.view(n, kv_heads, heads // kv_heads, d).transpose(0, 1)  # [kvh, n, g, d]
+    kd = kb.index_select(0, g.blocks).view(kv_heads, n, g.length, d)
+    vd = vb.index_select(0, g.blocks).view(kv_heads, n, g.length, d)
+    scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale).add_(g.bias)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vd).transpose(0, 1).reshape(n, heads, d)
 
 
 def paged_attention(
@@ -117,13 +200,17 @@ def paged_attention(
     parts: list[torch.Tensor] = []  # [rows, heads, d] pieces in row order
     nd = meta.num_decodes
     if nd:
-        length = meta.decode_len
-        qd = q[:nd].view(nd, kv_heads, group, d).transpose(0, 1)  # [kvh, B, g, d]
-        kd = kc.index_select(0, meta.decode_slots).view(kv_heads, nd, length, d)
-        vd = vc.index_select(0, meta.decode_slots).view(kv_heads, nd, length, d)
-        scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale).add_(meta.decode_bias)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        parts.append(torch.matmul(probs, vd).transpose(0, 1).reshape(nd, heads, d))
+        kb, vb = cache.block_k[layer], cache.block_v[layer]
+        groups = meta.decode_groups
+        if len(groups) == 1:
+            parts.append(_decode_group(q[:nd], kb, vb, kv_heads, groups[0], scale))
+        else:
+            out = q.new_empty(nd, heads, d)
+            for g in groups:
+                assert g.rows is not None
+                qg = q[:nd].index_select(0, g.rows)
+                out.index_copy_(0, g.rows, _decode_group(qg, kb, vb, kv_heads, g, scale))
+            parts.append(out)
     for ch in meta.prefills:
         rows = slice(ch.row, ch.row + ch.length)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, h, c, d]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gpu import loader
+from gpu import cpu_tuning, loader
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache
 from gpu.model import LlamaFamilyModel
@@ -75,12 +75,15 @@ class Executor:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.device = loader.resolve_device(device)
+        if self.device.type == "cpu":
+            cpu_tuning.tune_malloc()
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec
         self.model = LlamaFamilyModel(
             spec, loader.load_weights(model_dir, self.dtype, self.device), self.device
         )
+        self.model.warm_up()
         self.vocab_size = spec.vocab_size
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)

@@ -30,7 +30,8 @@ class PagedKVCache:
     """K/V storage for ``num_layers`` layers in ``num_blocks`` blocks of ``block_size`` tokens.
 
     Attributes ``k`` and ``v`` are lists (one tensor per layer); ``flat_k``/``flat_v`` view the
-    same storage as ``[kv_heads * num_slots, head_dim]``. Only :meth:`write` mutates them.
+    same storage as ``[kv_heads * num_slots, head_dim]`` and ``block_k``/``block_v`` as
+    ``[kv_heads * num_blocks, block_size * head_dim]``. Only :meth:`write` mutates them.
     """
 
     def __init__(
@@ -57,6 +58,10 @@ class PagedKVCache:
         # The same storage as [kv_heads * num_slots, head_dim]: gathers along dim 0 are fastest.
         self.flat_k = [t.view(-1, head_dim) for t in self.k]
         self.flat_v = [t.view(-1, head_dim) for t in self.v]
+        # ... and as [kv_heads * num_blocks, block_size * head_dim]: one row per block and head,
+        # for gathering whole blocks (decode contexts).
+        self.block_k = [t.view(-1, block_size * head_dim) for t in self.k]
+        self.block_v = [t.view(-1, block_size * head_dim) for t in self.v]
 
     @staticmethod
     def bytes_per_block(

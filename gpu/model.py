@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from gpu.attention import AttentionMetadata, paged_attention
 from gpu.kv_cache import PagedKVCache
+from gpu.linear import Linear, packing_enabled
 from gpu.loader import ModelSpec
 
 
@@ -35,22 +36,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
 
 
 class _Layer:
-    def __init__(self, w: dict[str, torch.Tensor], p: str, spec: ModelSpec) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], p: str, pack: bool) -> None:
         a = p + "self_attn."
         self.ln_in = w[p + "input_layernorm.weight"]
         self.ln_post = w[p + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w[a + n + "_proj.weight"] for n in "qkv"])
         biases = [w.get(a + n + "_proj.bias") for n in "qkv"]
-        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
-        self.o = w[a + "o_proj.weight"]
-        self.o_b = w.get(a + "o_proj.bias")
+        qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
+        self.qkv = Linear(torch.cat([w[a + n + "_proj.weight"] for n in "qkv"]), qkv_b, pack)
+        self.o = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), pack)
         self.q_norm = w.get(a + "q_norm.weight")
         self.k_norm = w.get(a + "k_norm.weight")
         m = p + "mlp."
-        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
-        self.down = w[m + "down_proj.weight"]
         if any(m + n + "_proj.bias" in w for n in ("gate", "up", "down")):
             raise ValueError("MLP biases are not supported")
+        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        self.gate_up = Linear(gate_up, None, pack)
+        self.down = Linear(w[m + "down_proj.weight"], None, pack)
 
 
 class LlamaFamilyModel:
@@ -60,10 +61,14 @@ class LlamaFamilyModel:
         self.spec = spec
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = weights.get("lm_head.weight")
-        if self.lm_head is None or spec.tie_word_embeddings:
-            self.lm_head = self.embed
-        self.layers = [_Layer(weights, f"model.layers.{i}.", spec) for i in range(spec.num_layers)]
+        head = weights.get("lm_head.weight")
+        if head is None or spec.tie_word_embeddings:
+            head = self.embed
+        self.packed = packing_enabled(device, self.embed.dtype)
+        self.lm_head = Linear(head, None, self.packed)
+        self.layers = [
+            _Layer(weights, f"model.layers.{i}.", self.packed) for i in range(spec.num_layers)
+        ]
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
@@ -93,6 +98,20 @@ class LlamaFamilyModel:
         return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Build every packed linear's kernels now (see :mod:`gpu.linear`); a no-op unpacked.
+
+        Kernels are cached by shape, so one linear per distinct shape is enough."""
+        seen = set()
+        for lin in [self.lm_head] + [
+            x for ly in self.layers for x in (ly.qkv, ly.o, ly.gate_up, ly.down)
+        ]:
+            key = (lin.in_features, lin.out_features, lin.bias is not None)
+            if key not in seen:
+                seen.add(key)
+                lin.warm_up()
+
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -115,7 +134,7 @@ class LlamaFamilyModel:
         sin = self.sin_signed[positions][:, None, :]
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln_in, eps)
-            qkv = F.linear(h, ly.qkv, ly.qkv_b).view(t, nh + 2 * nkv, d)
+            qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
                 qk = rope(qkv[:, : nh + nkv], cos, sin)
@@ -124,9 +143,9 @@ class LlamaFamilyModel:
                 q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), cos, sin)
                 k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), cos, sin)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
-            x = x + F.linear(attn, ly.o, ly.o_b)
+            x = x + ly.o(attn)
             h = rms_norm(x, ly.ln_post, eps)
-            gate, up = F.linear(h, ly.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, ly.down)
+            gate, up = ly.gate_up(h).chunk(2, dim=-1)
+            x = x + ly.down(F.silu(gate) * up)
         h = rms_norm(x[logit_rows], self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -1,0 +1,98 @@
+"""Decode grouping and packed linears: the parts of the forward that trade layout for speed must
+not change what is computed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.attention import build_metadata, group_by_length, paged_attention
+from gpu.kv_cache import PagedKVCache
+from gpu.linear import Linear, packing_enabled
+
+
+def _cost(nblocks: list[int], groups: list[list[int]], group_cost: int) -> int:
+    return sum(len(g) * max(nblocks[r] for r in g) + group_cost for g in groups)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_groups_partition_rows_and_never_cost_more_than_one_group(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 300)
+    hi = rng.choice([4, 30, 300])
+    nblocks = [rng.randint(1, hi) for _ in range(n)]
+    groups = group_by_length(nblocks, 64)
+    rows = [r for g in groups for r in g]
+    assert sorted(rows) == list(range(n)), "every decode row in exactly one group"
+    assert all(g == sorted(g) for g in groups)
+    assert _cost(nblocks, groups, 64) <= _cost(nblocks, [list(range(n))], 64)
+
+
+def test_grouping_splits_short_from_long_contexts_only_when_worth_it():
+    assert group_by_length([7] * 50, 64) == [list(range(50))]
+    short_long = [2] * 40 + [100] * 40
+    assert group_by_length(short_long, 64) == [list(range(40)), list(range(40, 80))]
+    # Two rows of different length: padding one block is cheaper than a second group.
+    assert group_by_length([3, 4], 64) == [[0, 1]]
+    assert group_by_length([], 64) == []
+
+
+def test_grouped_decode_attention_equals_one_padded_batch():
+    """Many groups (group_cost 0) and one group (huge cost) attend to the same contexts."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    kvh, heads, d, bs = 2, 8, 16, 4
+    cache = PagedKVCache(1, kvh, d, 1000, bs, torch.float32, torch.device("cpu"))
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    free = list(range(1000))
+    rng.shuffle(free)
+    decodes = []
+    for _ in range(23):
+        pos = rng.randint(0, 150)
+        decodes.append(([free.pop() for _ in range(pos // bs + 1)], pos))
+    q = torch.randn(len(decodes), heads, d)
+    k = torch.randn(len(decodes), kvh, d)
+    v = torch.randn(len(decodes), kvh, d)
+    outs = []
+    for cost in (0, 10**9):
+        meta = build_metadata(decodes, [], cache, torch.float32, torch.device("cpu"), cost)
+        assert len(meta.decode_groups) == (1 if cost else len({p // bs for _, p in decodes}))
+        outs.append(paged_attention(q, k, v, cache, 0, meta, d**-0.5))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    # and against attention computed directly from the written cache, one request at a time
+    for i, (table, pos) in enumerate(decodes):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(pos + 1)])
+        kc = cache.k[0][:, slots].repeat_interleave(heads // kvh, 0)  # [heads, ctx, d]
+        vc = cache.v[0][:, slots].repeat_interleave(heads // kvh, 0)
+        want = F.scaled_dot_product_attention(q[i][:, None], kc, vc)[:, 0]
+        torch.testing.assert_close(outs[0][i].view(heads, d), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(rows)
+    w, b = torch.randn(96, 40) * 0.1, torch.randn(96)
+    lin = Linear(w, b, pack=True)
+    assert lin.packed is not None and lin.weight is None, "packed, unpacked copy dropped"
+    x = torch.randn(rows, 40)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_only_on_cpu():
+    assert not packing_enabled(torch.device("cuda"), torch.float32)
+    assert not packing_enabled(torch.device("cpu"), torch.float16)
+
+
+def test_packing_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("MINIRT_PACKED_LINEAR", "0")
+    assert not packing_enabled(torch.device("cpu"), torch.float32)
+    lin = Linear(torch.eye(3), None, pack=packing_enabled(torch.device("cpu"), torch.float32))
+    assert lin.packed is None
+    torch.testing.assert_close(lin(torch.ones(2, 3)), torch.ones(2, 3))
