@@ -128,6 +128,7 @@ def build_metadata(
     slots: list[int] = [t[p // bs] * bs + p % bs for t, p in decodes]
     groups: list[DecodeGroup] = []
     members = group_by_length([p // bs + 1 for _, p in decodes], group_cost)
+    in_order = len(members) == 1  # one group: rows need no selecting or scattering
     for member in members:
         nblk = max(decodes[r][1] for r in member) // bs + 1
         table = torch.tensor(
@@ -137,7 +138,6 @@ def build_metadata(
         ctx = torch.tensor([decodes[r][1] + 1 for r in member], dtype=torch.long)
         pad = torch.arange(nblk * bs)[None, :] >= ctx[:, None]
         bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
-        in_order = len(members) == 1
         sel = None if in_order else torch.tensor(member, dtype=torch.long, device=device)
         groups.append(DecodeGroup(sel, blocks, bias[None, :, None, :].to(device), nblk * bs))
     chunks: list[PrefillChunk] = []
@@ -205,10 +205,10 @@ def paged_attention(
         if len(groups) == 1:
             parts.append(_decode_group(q[:nd], kb, vb, kv_heads, groups[0], scale))
         else:
-            out = q.new_empty(nd, heads, d)
+            qd, out = q[:nd], q.new_empty(nd, heads, d)
             for g in groups:
                 assert g.rows is not None
-                qg = q[:nd].index_select(0, g.rows)
+                qg = qd.index_select(0, g.rows)
                 out.index_copy_(0, g.rows, _decode_group(qg, kb, vb, kv_heads, g, scale))
             parts.append(out)
     for ch in meta.prefills:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 # The row count oneDNN is told to expect when packing; any row count works with the result.
 _PACK_HINT = 64
 TILE_ROWS = 256
+_SUPPORTED = (torch.float32, torch.bfloat16)
 
 
 def bucket_rows(m: int) -> int:
@@ -37,9 +38,6 @@ def bucket_rows(m: int) -> int:
     if m <= 8:
         return 1 << (m - 1).bit_length()
     return -(-m // 8) * 8
-
-
-_SUPPORTED = (torch.float32, torch.bfloat16)
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,6 +58,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
         self.bias = bias
+        self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
@@ -80,9 +79,8 @@ class Linear:
         """Build oneDNN's kernel for every tile shape now rather than on first use."""
         if self.packed is None:
             return
-        dtype = self.bias.dtype if self.bias is not None else self.packed.dtype
         for m in sorted({bucket_rows(m) for m in range(1, TILE_ROWS + 1)}):
-            self._tile(torch.zeros(m, self.in_features, dtype=dtype))
+            self._tile(torch.zeros(m, self.in_features, dtype=self.dtype))
 
     def _tile(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]

@@ -64,11 +64,9 @@ class LlamaFamilyModel:
         head = weights.get("lm_head.weight")
         if head is None or spec.tie_word_embeddings:
             head = self.embed
-        self.packed = packing_enabled(device, self.embed.dtype)
-        self.lm_head = Linear(head, None, self.packed)
-        self.layers = [
-            _Layer(weights, f"model.layers.{i}.", self.packed) for i in range(spec.num_layers)
-        ]
+        pack = packing_enabled(device, self.embed.dtype)
+        self.lm_head = Linear(head, None, pack)
+        self.layers = [_Layer(weights, f"model.layers.{i}.", pack) for i in range(spec.num_layers)]
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
