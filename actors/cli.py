@@ -40,10 +40,10 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 _BENCH_MODES = {
-    "executor": "gpu.bench_executor",  # W1 through the executor alone vs transformers
-    "kv": "actors.kv.bench",  # KV manager admit/evict micro-benchmark
-    "transport": "actors.transport_bench",
-    "scheduler": "actors.scheduler.bench",  # one scheduling decision vs queue size
+    "executor": "actors.bench.executor",  # W1 through the executor alone vs transformers
+    "kv": "actors.bench.kv",  # KV manager admit/evict micro-benchmark
+    "transport": "actors.bench.transport",
+    "scheduler": "actors.bench.scheduler",  # one scheduling decision vs queue size
     "serve": "actors.bench.serve",  # a workload through a running runtime, with a report  # messages/s and round-trip latency between processes
 }
 
@@ -109,7 +109,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from actors import config
+    from actors.runtime import config
 
     flat = {
         "model": ("model",),
@@ -155,8 +155,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def _up(args: argparse.Namespace) -> int:
     import trio
 
-    from actors.events import configure
-    from actors.supervisor import prepare, run_up
+    from actors.launch.supervisor import prepare, run_up
+    from actors.runtime.events import configure
 
     cfg = config_from_args(args)
     path = prepare(cfg)
@@ -171,7 +171,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _actor_args(p: argparse.ArgumentParser) -> None:
-    from actors.config import ACTORS
+    from actors.runtime.config import ACTORS
 
     p.add_argument("name", choices=ACTORS)
     _config_args(p)
@@ -179,7 +179,7 @@ def _actor_args(p: argparse.ArgumentParser) -> None:
 
 @command("actor", _actor_args)
 def _actor(args: argparse.Namespace) -> int:
-    from actors.runner import run_actor
+    from actors.launch.runner import run_actor
 
     return run_actor(args.name, config_from_args(args))
 
@@ -302,7 +302,7 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
 
 @command("keys", _keys_args)
 def _keys(args: argparse.Namespace) -> int:
-    from actors.security import make_keys
+    from actors.runtime.security import make_keys
 
     for path in make_keys(args.dir, tuple(args.client or ["client"])):
         print(path)
@@ -325,8 +325,8 @@ def _ping(args: argparse.Namespace) -> int:
 
     import trio
 
-    from actors.config import Endpoints, RuntimeConfig
-    from actors.health import ping
+    from actors.launch.health import ping
+    from actors.runtime.config import Endpoints, RuntimeConfig
 
     target = args.target
     if "://" not in target:
@@ -337,7 +337,7 @@ def _ping(args: argparse.Namespace) -> int:
             cfg = RuntimeConfig(run_dir=args.run_dir, endpoints=Endpoints()).resolve()
             target = cfg.endpoints.of(target)
     curve_dir = args.curve_dir or os.environ.get("MINIRT_CURVE_DIR")
-    from actors.security import CurveKeys
+    from actors.runtime.security import CurveKeys
 
     pong = trio.run(ping, target, args.timeout, 1, CurveKeys.load(curve_dir) if curve_dir else None)
     if pong is None:

@@ -22,8 +22,8 @@ import msgspec
 import trio
 import zmq
 
-from actors.security import CurveKeys
-from actors.transport import ZSocket, open_socket
+from actors.runtime.security import CurveKeys
+from actors.runtime.transport import ZSocket, open_socket
 from messages import client as cm
 from messages.codec import Decoder, encode
 from messages.common import (

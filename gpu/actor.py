@@ -15,8 +15,8 @@ from typing import Any
 
 import trio
 
-from actors.base import Actor
-from actors.config import RuntimeConfig
+from actors.runtime.actor import Actor
+from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
 from gpu.sampling import SamplingParams
 from messages import common

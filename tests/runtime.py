@@ -9,8 +9,8 @@ from typing import Any
 import trio
 import zmq
 
-from actors.launch import Runtime, start_runtime  # noqa: F401  (re-exported for tests)
-from actors.transport import open_socket
+from actors.launch.launch import Runtime, start_runtime  # noqa: F401  (re-exported for tests)
+from actors.runtime.transport import open_socket
 from messages import kv as km
 from messages.codec import Decoder, encode
 

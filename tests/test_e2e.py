@@ -9,7 +9,7 @@ import trio
 import zmq
 
 from actors.client import RequestError, open_client
-from actors.transport import open_socket
+from actors.runtime.transport import open_socket
 from messages.codec import Decoder
 from messages.common import ErrorReply
 from tests.runtime import hf_greedy, kv_stats, start_runtime, wait_until

@@ -276,7 +276,7 @@ def test_logprobs(tiny_model):
 
 
 def test_bench_quick_runs(tiny_model, tmp_path):
-    from gpu.bench_executor import main
+    from actors.bench.executor import main
 
     out = tmp_path / "bench.json"
     assert (
@@ -289,7 +289,7 @@ def test_bench_quick_runs(tiny_model, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_bench_quick_runs_cuda(tmp_path):
-    from gpu.bench_executor import main
+    from actors.bench.executor import main
 
     out = tmp_path / "bench.json"
     assert main(["--quick", "--device", "cuda", "--dtype", "bfloat16", "--json", str(out)]) == 0

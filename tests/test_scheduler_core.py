@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from structlog.testing import capture_logs
 
-from actors.config import KVConfig, SchedulerConfig
+from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.core import SchedulerCore
 from messages import executor as xm
 from messages import kv as km

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import structlog
 
-from actors.config import KVConfig, SchedulerConfig
+from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.queue import LPMQueue, PriorityQueue, SJFQueue, WaitingQueue, make_queue
 from actors.scheduler.state import SchedRequest
@@ -133,7 +133,7 @@ def test_priority_preemption_only_when_configured():
 
 
 def test_scheduler_bench_keeps_batch_and_queue_sizes():
-    from actors.scheduler.bench import measure
+    from actors.bench.scheduler import measure
 
     for policy in ("fcfs", "lpm"):
         assert measure(policy, waiting=300, running=32, decisions=20) > 0

@@ -9,9 +9,9 @@ import trio
 import zmq
 
 from actors.client import open_client
-from actors.config import RuntimeConfig
-from actors.security import InsecureBind, check_bind, make_keys
-from actors.transport import open_socket
+from actors.runtime.config import RuntimeConfig
+from actors.runtime.security import InsecureBind, check_bind, make_keys
+from actors.runtime.transport import open_socket
 from tests.runtime import start_runtime
 
 

@@ -76,7 +76,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def default_bench_model() -> Path:
-    from gpu.bench_executor import DEFAULT_MODEL
+    from actors.bench.executor import DEFAULT_MODEL
     from gpu.make_model import make_model
 
     if not (DEFAULT_MODEL / "config.json").exists():
@@ -103,7 +103,7 @@ def runtime(a: argparse.Namespace, flags: str) -> Iterator[tuple[str, Path]]:
         run = Path(a.run_dir).absolute()
         yield f"ipc://{run / 'sock' / 'client'}", run
         return
-    from actors.launch import start_runtime
+    from actors.launch.launch import start_runtime
 
     model = Path(a.model) if a.model else default_bench_model()
     with (
@@ -155,7 +155,7 @@ def compare_rows(
     """The same prompts through the executor alone and transformers, in this process."""
     import torch
 
-    from gpu import bench_executor as be
+    from actors.bench import executor as be
     from gpu.executor import Executor
     from gpu.loader import load_spec
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import trio
 
-from actors.base import Actor
-from actors.config import RuntimeConfig
+from actors.runtime.actor import Actor
+from actors.runtime.config import RuntimeConfig
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.metrics import Metrics, serve_metrics
 from messages.common import ErrorCode

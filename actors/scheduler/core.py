@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from actors.config import KVConfig, SchedulerConfig
+from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.prefix_defer import PrefixDeferral
 from actors.scheduler.queue import LPMQueue, make_queue
 from actors.scheduler.state import SchedRequest, Status

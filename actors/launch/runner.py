@@ -8,14 +8,14 @@ from typing import Any
 
 import trio
 
-from actors.config import ACTORS, RuntimeConfig
-from actors.events import configure, get_logger
+from actors.runtime.config import ACTORS, RuntimeConfig
+from actors.runtime.events import configure, get_logger
 
 
 def build_actor(name: str, cfg: RuntimeConfig) -> Any:
     """The actor object for ``name`` (imports only what that actor needs)."""
     if name == "tokenizer":
-        from tokenizer_svc.service import TokenizerService
+        from tokenizer_svc.actor import TokenizerService
 
         return TokenizerService(cfg)
     if name == "scheduler":
@@ -23,7 +23,7 @@ def build_actor(name: str, cfg: RuntimeConfig) -> Any:
 
         return SchedulerActor(cfg)
     if name == "kv_manager":
-        from actors.kv_manager import KVManagerActor
+        from actors.kv.actor import KVManagerActor
 
         if cfg.kv.num_blocks:  # set by `minirt up` or the config: no need to load torch here
             return KVManagerActor(cfg, int(cfg.kv.num_blocks))

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 import zmq
 
-from actors.transport import ZSocket, open_socket
+from actors.runtime.transport import ZSocket, open_socket
 
 _SEQ = struct.Struct("<Iq")  # kind (0 data, 1 ping), sequence
 
@@ -94,7 +94,7 @@ def run_pair(n: int, rtt: int, timeout: float = 120.0) -> dict[str, Any]:
         cmd = [
             sys.executable,
             "-m",
-            "actors.transport_bench",
+            "actors.bench.transport",
             "--peer",
             b,
             a,

@@ -7,7 +7,7 @@ from typing import Any
 import trio
 import zmq
 
-from actors.transport import open_socket
+from actors.runtime.transport import open_socket
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import Ping, Pong
 

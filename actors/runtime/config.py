@@ -94,10 +94,10 @@ class RuntimeConfig:
         return self
 
     def curve_keys(self) -> Any:
-        """The CURVE key set (``actors.security.CurveKeys``) or None when CURVE is off."""
+        """The CURVE key set (``actors.runtime.security.CurveKeys``) or None when CURVE is off."""
         if not self.security.curve_dir:
             return None
-        from actors.security import CurveKeys
+        from actors.runtime.security import CurveKeys
 
         return CurveKeys.load(self.security.curve_dir)
 

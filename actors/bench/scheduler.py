@@ -14,7 +14,7 @@ import random
 import time
 from typing import Any
 
-from actors.config import KVConfig, SchedulerConfig
+from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.core import SchedulerCore
 from messages import kv as km
 from messages.common import SamplingParams

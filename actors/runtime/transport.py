@@ -144,11 +144,11 @@ def open_socket(
 ) -> ZSocket:
     """Create a socket with minirt's defaults (size limit, high-water marks, no linger).
 
-    ``curve`` (``actors.security.CurveKeys``): a bound socket becomes a CURVE server, a connecting
+    ``curve`` (``actors.runtime.security.CurveKeys``): a bound socket becomes a CURVE server, a connecting
     one a CURVE client. Binding a non-loopback address raises ``InsecureBind`` unless
     ``allow_remote`` and ``curve`` are both given.
     """
-    from actors.security import check_bind
+    from actors.runtime.security import check_bind
 
     if bind is not None:
         check_bind(bind, allow_remote, curve is not None)

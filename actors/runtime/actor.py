@@ -19,10 +19,11 @@ import msgspec
 import trio
 import zmq
 
-from actors.config import RuntimeConfig
-from actors.events import get_logger
-from actors.peers import Peer, set_immediate
-from actors.transport import ZSocket, open_socket
+from actors.runtime.config import RuntimeConfig
+from actors.runtime.events import get_logger
+from actors.runtime.liveness import Peer, set_immediate
+from actors.runtime.outbox import Outbox
+from actors.runtime.transport import ZSocket, open_socket
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import (
     PROTOCOL_VERSION,
@@ -58,7 +59,7 @@ class Actor:
         self._reply_decoder: Decoder[Any] = Decoder(
             base_replies if self.replies is None else base_replies | self.replies
         )
-        self._flush_needed = trio.Event()
+        self.outbox: Outbox[str] = Outbox(self._send_to_peer)
         self.hb = cfg.heartbeat_s
         self.down: set[str] = set()  # peers declared dead and not back yet
 
@@ -79,7 +80,7 @@ class Actor:
         """Bind the inbox and connect to peers (no waiting: zmq connects in the background)."""
         self.curve = self.cfg.curve_keys()
         if self.curve is not None:
-            from actors.security import start_authenticator
+            from actors.runtime.security import start_authenticator
 
             self.authenticator = start_authenticator(self.ctx, self.curve)
         self.inbox = self.socket(zmq.ROUTER, bind=self.cfg.endpoints.of(self.name))
@@ -112,7 +113,7 @@ class Actor:
             async with trio.open_nursery() as nursery:
                 for peer in self.out.values():
                     nursery.start_soon(self._read_peer, peer)
-                nursery.start_soon(self._flusher)
+                nursery.start_soon(self.outbox.run)
                 nursery.start_soon(self._heartbeat)
                 await self.start_tasks(nursery)
                 task_status.started()
@@ -269,6 +270,7 @@ class Actor:
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
         peer.mark_dead()
+        self.outbox.drop(peer.name)  # never deliver stale messages to a successor
         self.down.add(peer.name)
         self.log.error("peer.dead", peer=peer.name, reason=reason)
         self.on_peer_dead(peer.name, reason)
@@ -287,11 +289,10 @@ class Actor:
     # ------------------------------------------------------------------ send
     def send(self, peer: str, msg: msgspec.Struct) -> None:
         """Queue ``msg`` for ``peer``; sent now when its queue has room, else by the flusher."""
-        p = self.out[peer]
-        data = encode(msg)
-        if p.pending or not p.sock.send_nowait([data]):
-            p.pending.append(data)
-            self._flush_needed.set()
+        self.outbox.send(peer, encode(msg))
+
+    def _send_to_peer(self, peer: str, data: bytes) -> bool:
+        return self.out[peer].sock.send_nowait([data])
 
     def reply(self, ident: bytes, msg: msgspec.Struct) -> None:
         """Answer the sender of a frame on the inbox connection (dropped if it is gone)."""
@@ -300,14 +301,3 @@ class Actor:
             self.inbox.send_nowait([ident, encode(msg)])
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer disconnected
             self.log.info("reply.dropped", reason=str(e), message_type=type(msg).__name__)
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._flush_needed.wait()
-            self._flush_needed = trio.Event()
-            for p in self.out.values():
-                while p.pending:
-                    if p.sock.send_nowait([p.pending[0]]):
-                        p.pending.popleft()
-                    else:
-                        await trio.sleep(0.001)

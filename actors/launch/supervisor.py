@@ -13,9 +13,9 @@ from typing import Any
 
 import trio
 
-from actors.config import ACTORS, RuntimeConfig
-from actors.events import get_logger
-from actors.health import wait_ready
+from actors.launch.health import wait_ready
+from actors.runtime.config import ACTORS, RuntimeConfig
+from actors.runtime.events import get_logger
 
 BUILTIN_MODEL = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt")) / "models"
 

@@ -23,9 +23,9 @@ import msgspec
 import trio
 import zmq
 
-from actors.base import Actor
-from actors.config import RuntimeConfig
-from actors.transport import ZSocket
+from actors.runtime.actor import Actor
+from actors.runtime.config import RuntimeConfig
+from actors.runtime.transport import ZSocket
 from messages import client as cm
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Ping, Pong

@@ -11,18 +11,15 @@ peer never receives messages meant for the process it replaced.
 from __future__ import annotations
 
 import time
-from collections import deque
-
 import zmq
 
-from actors.transport import ZSocket
+from actors.runtime.transport import ZSocket
 
 
 class Peer:
     def __init__(self, name: str, sock: ZSocket) -> None:
         self.name = name
         self.sock = sock
-        self.pending: deque[bytes] = deque()
         self.boot_id = ""  # of the process last heard from
         self.last_seen = 0.0  # monotonic time of the last Pong; 0 = never
         self.alive = False
@@ -47,7 +44,6 @@ class Peer:
 
     def mark_dead(self) -> None:
         self.alive = False
-        self.pending.clear()  # never deliver stale messages to a successor
 
 
 def set_immediate(sock: ZSocket) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from actors.base import Actor
-from actors.config import RuntimeConfig
 from actors.kv import Extended, KVError, KVManager, Refused, Shortage
+from actors.runtime.actor import Actor
+from actors.runtime.config import RuntimeConfig
 from messages import kv as km
 from messages.executor import Extend
 from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage

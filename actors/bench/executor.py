@@ -263,7 +263,7 @@ def main(argv: list[str]) -> int:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dt)
-        hf = hf.to(dev).eval()
+        hf = hf.to(dev).eval()  # type: ignore[arg-type]
     if not a.skip_hf:
         run_hf_static(hf, prompts[:2], 2, a.hf_batch, pad)  # warm-up
         hf_s, hf_cpu, hf_out = run_hf_static(hf, prompts, a.new_tokens, a.hf_batch, pad)
