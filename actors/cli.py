@@ -42,9 +42,11 @@ def _make_model(args: argparse.Namespace) -> int:
 _BENCH_MODES = {
     "executor": "actors.bench.executor",  # W1 through the executor alone vs transformers
     "kv": "actors.bench.kv",  # KV manager admit/evict micro-benchmark
-    "transport": "actors.bench.transport",
+    "transport": "actors.bench.transport",  # messages/s and round-trip latency between processes
     "scheduler": "actors.bench.scheduler",  # one scheduling decision vs queue size
-    "serve": "actors.bench.serve",  # a workload through a running runtime, with a report  # messages/s and round-trip latency between processes
+    "serve": "actors.bench.serve",  # a workload through a running runtime, with a report
+    "scaling": "actors.bench.scaling",  # decode speed vs batch size and context, minirt and vLLM
+    "quality": "actors.bench.quality",  # bf16 vs transformers fp32 under teacher forcing
 }
 
 
@@ -61,93 +63,52 @@ def _bench(args: argparse.Namespace) -> int:
     return int(module.main(args.rest) or 0)
 
 
+_METAVARS = {int: "N", float: "X"}
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
+    """One flag per setting of ``RuntimeConfig`` (see ``actors.runtime.options``); each is also
+    the ``MINIRT_*`` environment variable named in its help."""
+    from actors.runtime.config import options
+
     p.add_argument("--config", help="TOML (or JSON) config file")
-    p.add_argument("--model", help="model directory (HF layout); default: built-in tiny model")
-    p.add_argument("--run-dir", help="sockets, events and logs go here (default .minirt)")
-    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
-    p.add_argument(
-        "--kv-memory", type=float, help="KV pool: bytes if > 1, else fraction of free memory"
-    )
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--kv-mode", choices=["full", "on_demand"])
-    p.add_argument("--policy", help="admission policy (fcfs)")
-    p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--max-waiting", type=int)
-    p.add_argument("--max-wait-s", type=float, help="aging bound: waiting longer goes first")
-    p.add_argument("--priority-preemption", action="store_true", default=None)
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on 127.0.0.1:PORT")
-    p.add_argument("--chunk-cap", type=int, help="max prefill tokens per request per step")
-    p.add_argument("--step-budget", type=int, help="max tokens per step")
-    p.add_argument(
-        "--long-prefill-threshold", type=int, help="prompts longer than this are long (0: no limit)"
-    )
-    p.add_argument(
-        "--max-long-prefills", type=int, help="long prompts prefilling per step, at most"
-    )
-    p.add_argument(
-        "--prefill-first",
-        dest="decode_first",
-        action="store_false",
-        default=None,
-        help="schedule prefill chunks before decodes in each step",
-    )
-    p.add_argument("--device")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int)
-    p.add_argument("--curve-dir", help="CURVE keys from `minirt keys`: authenticate every socket")
-    p.add_argument(
-        "--allow-remote",
-        action="store_true",
-        default=None,
-        help="permit non-loopback tcp endpoints (requires --curve-dir)",
-    )
-    for name in ("client", "tokenizer", "scheduler", "kv_manager", "executor"):
-        p.add_argument(
-            f"--{name.replace('_', '-')}-endpoint", help=f"{name} endpoint (ipc:// or tcp://)"
-        )
+    for opt in options():
+        default = "" if opt.default in (None, "") else f"; default {opt.default}"
+        help = f"{opt.help} [{opt.env}{default}]"
+        if opt.type is bool:
+            p.add_argument(
+                f"--{opt.flag}", dest=opt.dest, action=argparse.BooleanOptionalAction, help=help
+            )
+            if opt.off_flag:
+                p.add_argument(
+                    f"--{opt.off_flag}",
+                    dest=opt.dest,
+                    action="store_const",
+                    const=False,
+                    help=opt.off_help,
+                )
+        else:
+            p.add_argument(
+                f"--{opt.flag}",
+                dest=opt.dest,
+                type=opt.type,
+                choices=opt.choices,
+                metavar=None
+                if opt.choices
+                else _METAVARS.get(opt.type, opt.flag.split("-")[-1].upper()),
+                help=help,
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    """Defaults, then ``--config``, then ``MINIRT_*`` variables, then the flags given."""
     from actors.runtime import config
 
-    flat = {
-        "model": ("model",),
-        "run_dir": ("run_dir",),
-        "num_blocks": ("kv", "num_blocks"),
-        "kv_memory": ("kv", "kv_memory"),
-        "block_size": ("kv", "block_size"),
-        "kv_mode": ("kv", "mode"),
-        "policy": ("scheduler", "policy"),
-        "max_batch_size": ("scheduler", "max_batch_size"),
-        "max_waiting": ("scheduler", "max_waiting"),
-        "max_wait_s": ("scheduler", "max_wait_s"),
-        "priority_preemption": ("scheduler", "priority_preemption"),
-        "metrics_port": ("scheduler", "metrics_port"),
-        "chunk_cap": ("executor", "chunk_cap"),
-        "step_budget": ("executor", "step_budget"),
-        "long_prefill_threshold": ("executor", "long_prefill_threshold"),
-        "max_long_prefills": ("executor", "max_long_prefills"),
-        "decode_first": ("executor", "decode_first"),
-        "device": ("executor", "device"),
-        "dtype": ("executor", "dtype"),
-        "threads": ("executor", "threads"),
-        "curve_dir": ("security", "curve_dir"),
-        "allow_remote": ("security", "allow_remote"),
-        **{
-            f"{n}_endpoint": ("endpoints", n)
-            for n in ("client", "tokenizer", "scheduler", "kv_manager", "executor")
-        },
-    }
     overrides: dict[str, Any] = {}
-    for arg, path in flat.items():
-        value = getattr(args, arg, None)
-        if value is None:
-            continue
-        d = overrides
-        for key in path[:-1]:
-            d = d.setdefault(key, {})
-        d[path[-1]] = value
+    for opt in config.options():
+        value = getattr(args, opt.dest, None)
+        if value is not None:
+            opt.put(overrides, value)
     return config.load(args.config, overrides)
 
 
@@ -222,7 +183,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import json
 
-    from actors.client import RequestError, Result, SyncClient, _apply, build_generate
+    from actors.client import RequestError, Result, SyncClient, build_generate
     from messages import client as cm
 
     if args.prompt is None and not args.prompt_ids:
@@ -250,7 +211,7 @@ def _generate(args: argparse.Namespace) -> int:
             for msg in client.stream(req):
                 if isinstance(msg, cm.Delta) and not args.json:
                     print(msg.text, end="", flush=True)
-                _apply(result, msg)
+                result.apply(msg)
     except (RequestError, TimeoutError, RuntimeError) as e:
         print(f"\nminirt generate: {e}", file=sys.stderr)
         return 1
@@ -314,32 +275,34 @@ def _ping_args(p: argparse.ArgumentParser) -> None:
         "target",
         help="actor name (tokenizer, scheduler, kv_manager, executor, client) or an endpoint",
     )
-    p.add_argument("--run-dir", default=".minirt")
+    p.add_argument("--run-dir", help="default: MINIRT_RUN_DIR, else .minirt")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--curve-dir", help="client keys (servers that require CURVE)")
 
 
 @command("ping", _ping_args)
 def _ping(args: argparse.Namespace) -> int:
-    import os
-
     import trio
 
     from actors.launch.health import ping
-    from actors.runtime.config import Endpoints, RuntimeConfig
+    from actors.runtime import config
 
+    # Endpoints and keys as the actors see them: MINIRT_* variables (compose), then the flags.
+    overrides: dict[str, Any] = {"run_dir": args.run_dir} if args.run_dir else {}
+    if args.curve_dir:
+        overrides["security"] = {"curve_dir": args.curve_dir}
+    cfg = config.load(overrides=overrides).resolve()
     target = args.target
     if "://" not in target:
-        env = os.environ.get(f"MINIRT_{target.upper()}_ENDPOINT")
-        if env:
-            target = env
-        else:
-            cfg = RuntimeConfig(run_dir=args.run_dir, endpoints=Endpoints()).resolve()
-            target = cfg.endpoints.of(target)
-    curve_dir = args.curve_dir or os.environ.get("MINIRT_CURVE_DIR")
-    from actors.runtime.security import CurveKeys
-
-    pong = trio.run(ping, target, args.timeout, 1, CurveKeys.load(curve_dir) if curve_dir else None)
+        names = ("client", *config.ACTORS)
+        if target not in names:
+            print(
+                f"minirt ping: {target!r} is not one of {', '.join(names)} nor an endpoint",
+                file=sys.stderr,
+            )
+            return 2
+        target = cfg.endpoints.of(target)
+    pong = trio.run(ping, target, args.timeout, 1, cfg.curve_keys())
     if pong is None:
         print(f"no answer from {target}", file=sys.stderr)
         return 1

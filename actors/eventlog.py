@@ -12,8 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from messages.tokenizer import client_request_id
+
 _BASE = ("ts", "actor", "event", "level", "request_id")
-WAIT_EVENTS = ("admission.refused", "request.preempted", "request.requeued", "kv.shortage")
+WAIT_EVENTS = (
+    "admission.refused",
+    "kv.refused",
+    "request.preempted",
+    "request.requeued",
+    "kv.shortage",
+)
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -30,8 +38,17 @@ def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
     return events
 
 
+def is_request(value: Any, request: str) -> bool:
+    """Whether an event's request id ``value`` is ``request``: the runtime-wide id itself, or the
+    client's own id inside it (ids are scoped to the client's connection, so a client's id may
+    name requests of several connections)."""
+    return isinstance(value, str) and (value == request or client_request_id(value) == request)
+
+
 def matches(e: dict[str, Any], request: str | None, event: str | None) -> bool:
-    if request is not None and e.get("request_id") != request and e.get("for_request") != request:
+    if request is not None and not (
+        is_request(e.get("request_id"), request) or is_request(e.get("for_request"), request)
+    ):
         return False
     return event is None or str(e.get("event", "")).startswith(event)
 
@@ -102,8 +119,24 @@ def show_events(
 
 def trace_lines(events: list[dict[str, Any]], request_id: str) -> list[str]:
     """One line per event of ``request_id`` across actors, with offsets from its first event and
-    the reason behind every wait (refusals, shortages, preemptions)."""
+    the reason behind every wait (refusals, shortages, preemptions). Given a client's own id
+    that several connections used, each of those requests is traced in turn, under a header."""
     mine = [e for e in events if matches(e, request_id, None)]
+    ids = {e["request_id"] for e in mine if is_request(e.get("request_id"), request_id)}
+    if len(ids) <= 1:
+        return _trace_block(mine)
+    lines = []
+    for rid in sorted(
+        ids, key=lambda r: next(e.get("ts", 0.0) for e in mine if e["request_id"] == r)
+    ):
+        lines.append(f"request {rid}:")
+        lines += _trace_block(
+            [e for e in mine if rid in (e.get("request_id"), e.get("for_request"))]
+        )
+    return lines
+
+
+def _trace_block(mine: list[dict[str, Any]]) -> list[str]:
     if not mine:
         return []
     t0 = mine[0].get("ts", 0.0)

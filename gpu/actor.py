@@ -4,6 +4,10 @@ Each iteration drains the inbox without waiting (runs, block grants, preemptions
 one mixed prefill/decode step, publishes the step's tokens to the tokenizer service and request
 ends to the scheduler, and asks the KV manager for blocks *ahead of need* (one block of
 lookahead), so a step never waits on a round trip. It blocks only when it has nothing to run.
+
+A constrained request (``params.structured``) whose constraint is not in the executor's grammar
+cache is compiled in a worker thread while the steps go on, and joins the batch when compiled;
+a preemption or abort meanwhile is answered at once.
 """
 
 from __future__ import annotations
@@ -18,48 +22,13 @@ import trio
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
-from gpu.sampling import SamplingParams
-from messages import common
+from gpu.kv_cache import resolve_num_blocks
+from gpu.structured.grammar import Compiled, GrammarError
+from gpu.structured.pending import Done, PendingCompiles
 from messages import executor as xm
 from messages.kv import Grow
 from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
-
-CPU_DEFAULT_KV_BYTES = 512 << 20
-
-
-def resolve_num_blocks(cfg: RuntimeConfig) -> int:
-    """The KV pool size in blocks: ``kv.num_blocks`` if set, else from the memory budget and the
-    model's shape (both the KV manager and the executor must use the same number)."""
-    if cfg.kv.num_blocks:
-        return int(cfg.kv.num_blocks)
-    from gpu import loader
-    from gpu.kv_cache import PagedKVCache
-
-    spec = loader.load_spec(cfg.model)
-    device = loader.resolve_device(cfg.executor.device)
-    dtype = loader.resolve_dtype(cfg.executor.dtype, device)
-    per_block = PagedKVCache.bytes_per_block(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.kv.block_size, dtype
-    )
-    budget = cfg.kv.kv_memory
-    if budget is None:
-        budget = 0.8 if device.type == "cuda" else CPU_DEFAULT_KV_BYTES
-    return PagedKVCache.blocks_for_budget(budget, per_block, device)
-
-
-def to_exec_params(p: common.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        seed=p.seed,
-        max_tokens=p.max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-    )
 
 
 class _Flight:
@@ -97,6 +66,8 @@ class ExecutorActor(Actor):
             threads=x.threads,
         )
         self.flight: dict[str, _Flight] = {}
+        self.compiling = PendingCompiles(self.ex.structured)
+        self.nursery: trio.Nursery | None = None
         self.mailbox: deque[Any] = deque()
         self.wake = trio.Event()
         self.steps = 0
@@ -115,6 +86,7 @@ class ExecutorActor(Actor):
     async def start_tasks(self, nursery: trio.Nursery) -> None:
         # The inbox reader answers pings and handshakes at once, even mid-step (the step runs in
         # a worker thread), and parks every other message in the mailbox for the next step start.
+        self.nursery = nursery
         nursery.start_soon(super().main_loop)
 
     async def main_loop(self) -> None:
@@ -134,12 +106,14 @@ class ExecutorActor(Actor):
             self.steps += 1
             if result.num_requests:
                 self.log.info(
-                    "step",
+                    "executor.step",
                     step=self.steps,
                     requests=result.num_requests,
                     prefill_tokens=result.num_prefill_tokens,
                     decode_tokens=result.num_decode_tokens,
                     skipped=len(result.skipped),
+                    constrained=result.num_constrained,
+                    mask_s=round(result.mask_s, 6),
                     forward_s=round(result.forward_s, 6),
                     step_s=round(t2 - t1, 6),
                     control_s=round((t1 - t0) + (t3 - t2), 6),
@@ -164,6 +138,7 @@ class ExecutorActor(Actor):
 
     def on_peer_dead(self, name: str, reason: str) -> None:
         self.mailbox.clear()
+        self.compiling.clear()
         for rid in list(self.flight):
             self.ex.abort(rid)
         self.log.warning("executor.reset", reason=reason, dropped=len(self.flight))
@@ -173,47 +148,116 @@ class ExecutorActor(Actor):
         if isinstance(msg, xm.Run):
             self._run(msg)
             return
+        if isinstance(msg, Done):
+            if self.compiling.take(msg):  # else preempted, aborted or superseded since
+                self._compiled(msg.run, msg.result, msg.seconds, cache_hit=False)
+            return
+        if not isinstance(msg, xm.Extend) and self.compiling.drop(msg.request_id, msg.attempt):
+            status = "preempted" if isinstance(msg, xm.Preempt) else "aborted"
+            self.log.info("executor.compile_dropped", request_id=msg.request_id, status=status)
+            self.send(
+                "scheduler",
+                RequestDone(request_id=msg.request_id, attempt=msg.attempt, status=status),
+            )
+            return
         fl = self.flight.get(msg.request_id)
         if fl is None or fl.attempt != msg.attempt:
             return  # the request already ended; the sender learns it from RequestDone
         if isinstance(msg, xm.Extend):
             self.ex.extend(msg.request_id, msg.blocks)
-            self.log.debug("kv.extended", request_id=msg.request_id, blocks=msg.blocks)
+            self.log.debug("executor.extended", request_id=msg.request_id, blocks=msg.blocks)
         elif isinstance(msg, xm.Preempt):
-            self._end(msg.request_id, "preempted")
+            fl = self._end(msg.request_id, "preempted")
+            self.log.info(
+                "executor.preempted",
+                request_id=msg.request_id,
+                attempt=fl.attempt,
+                output_tokens=len(fl.outputs),
+            )
         elif isinstance(msg, xm.Stop):
-            self._end(msg.request_id, "aborted")
+            fl = self._end(msg.request_id, "aborted")
+            self.log.info(
+                "executor.aborted",
+                request_id=msg.request_id,
+                attempt=fl.attempt,
+                output_tokens=len(fl.outputs),
+                reason=msg.reason,
+            )
 
     def _run(self, msg: xm.Run) -> None:
         rid = msg.request_id
         if rid in self.flight:  # a stale attempt still here: drop it first
             self.ex.abort(rid)
             self.flight.pop(rid)
+        self.compiling.drop(rid)
+        if msg.params.structured is None:
+            self._start(msg, None)
+            return
+        found = self.compiling.cached(msg)
+        if found is not None:
+            self._compiled(msg, found, 0.0, cache_hit=True)
+        elif self.nursery is not None:
+            self.compiling.wait(self.nursery, msg, self._deliver)
+        else:  # not serving (a test driving the actor's handlers): compile here
+            self._start(msg, None)
+
+    def _deliver(self, done: Done) -> None:
+        self.mailbox.append(done)
+        self.wake.set()
+
+    def _compiled(
+        self, msg: xm.Run, result: Compiled | GrammarError, seconds: float, cache_hit: bool
+    ) -> None:
+        cache = self.ex.structured.cache
+        if isinstance(result, GrammarError):
+            self._reject(msg, ExecutorInputError(msg.request_id, result.field, result.reason))
+            return
+        self.log.info(
+            "executor.structured_compiled",
+            request_id=msg.request_id,
+            kind=result.constraint.kind,
+            hash=result.constraint.digest,
+            cache_hit=cache_hit,
+            compile_s=round(result.compile_s, 6),
+            wait_s=round(seconds, 6),
+            cache_hits=cache.hits,
+            cache_misses=cache.misses,
+        )
+        self._start(msg, result)
+
+    def _reject(self, msg: xm.Run, e: ExecutorInputError) -> None:
+        self.log.warning(
+            "executor.rejected", request_id=msg.request_id, field=e.field, reason=e.reason
+        )
+        self.send(
+            "scheduler",
+            RequestDone(
+                request_id=msg.request_id,
+                attempt=msg.attempt,
+                status="error",
+                message=str(e),
+                field=e.field,
+            ),
+        )
+
+    def _start(self, msg: xm.Run, grammar: Compiled | None) -> None:
+        rid = msg.request_id
         try:
             self.ex.add_request(
                 rid,
                 msg.prompt_ids,
-                to_exec_params(msg.params),
+                msg.params,
                 msg.block_table,
                 msg.cached_tokens,
                 prior_output_tokens=msg.output_offset,
+                grammar=grammar,
             )
         except ExecutorInputError as e:
-            self.log.warning("request.rejected", request_id=rid, field=e.field, reason=e.reason)
-            self.send(
-                "scheduler",
-                RequestDone(
-                    request_id=rid,
-                    attempt=msg.attempt,
-                    status="error",
-                    message=str(e),
-                    field=e.field,
-                ),
-            )
+            self._reject(msg, e)
             return
         self.flight[rid] = _Flight(msg.attempt, msg.prompt_ids)
         self.log.info(
-            "request.running",
+            "executor.running",
             request_id=rid,
             attempt=msg.attempt,
             prompt_tokens=len(msg.prompt_ids),
@@ -221,19 +265,34 @@ class ExecutorActor(Actor):
             blocks=len(msg.block_table),
         )
 
-    def _end(self, rid: str, status: str) -> None:
+    def _end(self, rid: str, status: str) -> _Flight:
+        """Drop the request (``status`` preempted or aborted) and tell the scheduler."""
         fl = self.flight.pop(rid)
         self.ex.abort(rid)
-        self.log.info(
-            f"request.{status}", request_id=rid, attempt=fl.attempt, output_tokens=len(fl.outputs)
-        )
         self.send(
             "scheduler",
             RequestDone(request_id=rid, attempt=fl.attempt, status=status, output_ids=fl.outputs),
         )
+        return fl
 
     # -------------------------------------------------------------- outbound
     def _publish(self, result: StepResult) -> None:
+        for rid, field, reason in result.failed:
+            fl = self.flight.pop(rid, None)
+            if fl is None:
+                continue
+            self.log.warning("executor.failed", request_id=rid, field=field, reason=reason)
+            self.send(
+                "scheduler",
+                RequestDone(
+                    request_id=rid,
+                    attempt=fl.attempt,
+                    status="error",
+                    message=reason,
+                    field=field,
+                    output_ids=fl.outputs,
+                ),
+            )
         events: list[TokenEvent] = []
         for out in result.outputs:
             if out.token_id is None:
@@ -248,7 +307,7 @@ class ExecutorActor(Actor):
             )
             if out.prefill_done:
                 self.log.info(
-                    "request.prefill_done",
+                    "executor.prefill_done",
                     request_id=rid,
                     ttft_s=round(time.monotonic() - fl.started, 6),
                 )

@@ -1,8 +1,9 @@
 """Paged attention over a flat, unpadded batch mixing single-token decodes and prefill chunks.
 
 Row order of the flat batch: all decodes first (one row each), then each prefill chunk's rows.
-Decodes are attended in a few groups of similar context length (see :func:`group_by_length`):
-each group's context blocks are gathered from the cache into ``[kv_heads, B, L, head_dim]``
+On CPU, decodes run through :mod:`gpu.paged_kernel`, which reads the context blocks in place.
+Elsewhere (or without a C compiler) they are attended in a few groups of similar context length
+(see :func:`group_by_length`): each group's context blocks are gathered from the cache into ``[kv_heads, B, L, head_dim]``
 (L = the group's longest context rounded up to a block, a mask hides the tail) and two batched
 matmuls compute the whole group. Grouping bounds the padding: one group for contexts of 100 and
 300 tokens would gather and multiply 50% padding. Each prefill chunk runs one
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu import paged_kernel
 from gpu.kv_cache import PagedKVCache
 
 
@@ -46,12 +48,18 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step, built once and shared by all layers."""
+    """Everything attention needs for one step, built once and shared by all layers.
+
+    Decodes take one of two paths: ``decode_tables``/``decode_lens`` set, the CPU kernel of
+    :mod:`gpu.paged_kernel` (no gathers, no padding; ``decode_groups`` is then empty), else the
+    tensor path over ``decode_groups``."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot written by each row
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 block ids
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths
 
 
 # Cost model for grouping decodes, in gathered blocks: a group costs its rows times its padded
@@ -110,6 +118,7 @@ def build_metadata(
     dtype: torch.dtype,
     device: torch.device,
     group_cost: int = GROUP_COST_BLOCKS,
+    decode_kernel: bool | None = None,
 ) -> AttentionMetadata:
     """Slot mapping and per-path index tensors for one step; pure (reads the lists only).
 
@@ -117,7 +126,8 @@ def build_metadata(
     length)`` per chunk. Tables must cover the positions (the executor checks before calling).
     Prefill gather indices address ``cache.flat_k[layer]`` (``[kv_heads * num_slots,
     head_dim]``); decode ones address ``cache.block_k[layer]`` (one row per block and head).
-    ``group_cost``: see :func:`group_by_length`.
+    ``group_cost``: see :func:`group_by_length`. ``decode_kernel``: decodes through
+    :mod:`gpu.paged_kernel` (None: wherever it runs).
     """
     bs = cache.block_size
     heads = torch.arange(cache.num_kv_heads, dtype=torch.long)[:, None]
@@ -127,7 +137,18 @@ def build_metadata(
 
     slots: list[int] = [t[p // bs] * bs + p % bs for t, p in decodes]
     groups: list[DecodeGroup] = []
-    members = group_by_length([p // bs + 1 for _, p in decodes], group_cost)
+    if decode_kernel is None:
+        decode_kernel = paged_kernel.usable(device, dtype)
+    tables = lens = None
+    if decode_kernel and decodes:
+        width = max(p for _, p in decodes) // bs + 1
+        tables = torch.tensor(
+            [(t[: p // bs + 1] + [0] * width)[:width] for t, p in decodes], dtype=torch.long
+        )
+        lens = torch.tensor([p + 1 for _, p in decodes], dtype=torch.long)
+    members = (
+        [] if decode_kernel else group_by_length([p // bs + 1 for _, p in decodes], group_cost)
+    )
     in_order = len(members) == 1  # one group: rows need no selecting or scattering
     for member in members:
         nblk = max(decodes[r][1] for r in member) // bs + 1
@@ -157,7 +178,7 @@ def build_metadata(
             chunks.append(PrefillChunk(row, length, start, rows(ctx_slots), mask.to(device)))
         row += length
     slot_mapping = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(slot_mapping, len(decodes), groups, chunks)
+    return AttentionMetadata(slot_mapping, len(decodes), groups, chunks, tables, lens)
 
 
 def _decode_group(
@@ -199,7 +220,12 @@ def paged_attention(
     kc, vc = cache.flat_k[layer], cache.flat_v[layer]
     parts: list[torch.Tensor] = []  # [rows, heads, d] pieces in row order
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_tables is not None:
+        assert meta.decode_lens is not None
+        kd, vd = kc.view(kv_heads, -1, d), vc.view(kv_heads, -1, d)
+        tables, lens = meta.decode_tables, meta.decode_lens
+        parts.append(paged_kernel.decode(q[:nd], kd, vd, tables, lens, cache.block_size, scale))
+    elif nd:
         kb, vb = cache.block_k[layer], cache.block_v[layer]
         groups = meta.decode_groups
         if len(groups) == 1:

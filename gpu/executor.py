@@ -16,7 +16,8 @@ import torch
 
 from gpu import cpu_tuning, loader
 from gpu.attention import build_metadata
-from gpu.kv_cache import PagedKVCache
+from gpu.kv_cache import PagedKVCache, pool_blocks
+from gpu.logits_processors import LogitsProcessors, apply_processors
 from gpu.model import LlamaFamilyModel
 from gpu.requests import (
     ExecutorInputError,
@@ -25,13 +26,13 @@ from gpu.requests import (
     TokenOutput,
     check_request,
 )
-from gpu.sampling import SamplingParams, logprobs_of, sample
+from gpu.sampling import is_greedy, logprobs_of, sample
 from gpu.step_plan import StepBudget, plan_step
+from gpu.structured.engine import StructuredEngine
+from gpu.structured.grammar import Compiled, GrammarError
+from messages.common import SamplingParams
 
 __all__ = ["Executor", "ExecutorInputError", "StepResult", "TokenOutput"]
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
-DEFAULT_CUDA_KV_FRACTION = 0.8
 
 
 class Executor:
@@ -39,8 +40,9 @@ class Executor:
 
     Attributes: ``num_blocks``, ``block_size``, ``kv_bytes``, ``max_model_len``, ``vocab_size``,
     ``eos_token_ids``, ``device``, ``dtype``. ``kv_memory`` is bytes (int) or a fraction of free
-    device memory (float in (0, 1]); ``num_blocks`` wins over it; with neither, 1 GiB on cpu and
-    80% of free memory on cuda. ``threads`` sets torch's intra-op thread count (process-wide).
+    device memory (float in (0, 1]); ``num_blocks`` wins over it; with neither, the default of
+    ``gpu.kv_cache.pool_blocks`` (512 MiB on cpu, 80% of free memory on cuda). ``threads`` sets
+    torch's intra-op thread count (process-wide).
     Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
     """
 
@@ -88,16 +90,12 @@ class Executor:
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
         self.block_size = block_size
-        per_block = PagedKVCache.bytes_per_block(
+        if num_blocks is None:
+            num_blocks = pool_blocks(spec, self.dtype, self.device, block_size, kv_memory)
+        self.num_blocks = num_blocks
+        self.kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.dtype
         )
-        if num_blocks is None:
-            if kv_memory is None:
-                cuda = self.device.type == "cuda"
-                kv_memory = DEFAULT_CUDA_KV_FRACTION if cuda else DEFAULT_CPU_KV_BYTES
-            num_blocks = PagedKVCache.blocks_for_budget(kv_memory, per_block, self.device)
-        self.num_blocks = num_blocks
-        self.kv_bytes = num_blocks * per_block
         self.cache = PagedKVCache(
             spec.num_layers,
             spec.num_kv_heads,
@@ -109,6 +107,10 @@ class Executor:
         )
         self._prefilling: dict[str, RequestState] = {}
         self._decoding: dict[str, RequestState] = {}
+        # Structured output: compiled constraints (bounded cache) and the step's token masks.
+        self.structured = StructuredEngine(
+            model_dir, self.vocab_size, self.eos_token_ids, self.device
+        )
 
     # ---- request management -------------------------------------------------------------
 
@@ -120,6 +122,7 @@ class Executor:
         block_table: list[int],
         num_cached_tokens: int = 0,
         prior_output_tokens: int = 0,
+        grammar: Compiled | None = None,
     ) -> None:
         """Queue a request whose prompt K/V goes to ``block_table``; the first ``num_cached_tokens``
         (a multiple of block_size, < len(prompt)) are already in those blocks and are not recomputed.
@@ -128,6 +131,10 @@ class Executor:
         outputs it had produced as ``prompt_ids``, their count here, and the original params:
         sampling indices, ``max_tokens`` and ``num_output_tokens`` continue from there, so a seeded
         request yields the same tokens as if never preempted.
+
+        ``grammar``: ``params.structured`` compiled beforehand (``self.structured.compile``,
+        e.g. in a worker thread); without it a constrained request is compiled here (cached).
+        Its matcher replays the prior outputs.
 
         Raises ExecutorInputError naming the request and field; on error nothing changes.
         """
@@ -147,6 +154,15 @@ class Executor:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
         )
+        state = None
+        if params.structured is not None:
+            try:
+                compiled = grammar or self.structured.compile(params.structured)[0]
+                state = self.structured.state(compiled, prompt, prior_output_tokens)
+            except GrammarError as e:
+                raise ExecutorInputError(request_id, e.field, e.reason) from None
+            except ValueError as e:
+                raise ExecutorInputError(request_id, "prior_output_tokens", str(e)) from None
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -160,6 +176,16 @@ class Executor:
             seed,
             frozenset(stop),
             prior_output_tokens,
+            # min_tokens of a constrained request acts on its grammar mask instead
+            procs=LogitsProcessors.build(
+                params,
+                prompt,
+                prior_output_tokens,
+                set() if state else stop,
+                self.vocab_size,
+                self.device,
+            ),
+            grammar=state,
         )
         self._prefilling[request_id] = req
 
@@ -229,6 +255,7 @@ class Executor:
         )
         dev = self.device
         t1 = time.perf_counter()
+        masking = self.structured.start(samplers)  # the grammar masks, while the forward runs
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
@@ -236,12 +263,16 @@ class Executor:
             self.cache,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
-        tokens_t = self._sample(logits, samplers)
+        tm = time.perf_counter()
+        masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
+        mask_s = time.perf_counter() - tm
+        tokens_t = self._sample(masked, samplers)
         tokens = tokens_t.tolist()
         forward_s = time.perf_counter() - t1
-        lps, tops = self._logprobs(logits, tokens_t, samplers)
+        lps, tops = self._logprobs(logits, tokens_t, samplers)  # raw: before the mask
 
         outputs: list[TokenOutput] = []
+        failed: list[tuple[str, str, str]] = []
         sampled = {r.rid: i for i, r in enumerate(samplers)}
         for req in decodes:
             req.computed += 1
@@ -256,11 +287,22 @@ class Executor:
             tok = tokens[i]
             first = not req.out
             req.out.append(tok)
+            if req.procs is not None:
+                req.procs.observe(tok)
             n_out = req.prior + len(req.out)
             finish = None
-            if tok in req.stop:
+            if req.grammar is not None:
+                tm = time.perf_counter()
+                finish, error = self.structured.finish(req, tok)
+                mask_s += time.perf_counter() - tm
+                if error is not None:
+                    self._prefilling.pop(req.rid, None)
+                    self._decoding.pop(req.rid, None)
+                    failed.append((req.rid, "structured", error))
+                    continue
+            elif tok in req.stop:
                 finish = "stop"
-            elif (
+            if finish is None and (
                 n_out >= req.params.max_tokens
                 or len(req.prompt) + len(req.out) >= self.max_model_len
             ):
@@ -285,10 +327,20 @@ class Executor:
             skipped,
             forward_s,
             time.perf_counter() - t0,
+            mask_s,
+            sum(r.grammar is not None for r in samplers),
+            failed,
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
-        if all(r.params.greedy for r in reqs):
+        """Tokens for the sampling rows; logit processors first, on their rows only (a batch of
+        requests without penalties, bias or min_tokens takes the same path as without them)."""
+        procs = [
+            (i, r.procs, r.prior + len(r.out)) for i, r in enumerate(reqs) if r.procs is not None
+        ]
+        if procs:
+            logits = apply_processors(logits, procs)
+        if all(is_greedy(r.params) for r in reqs):
             return logits.argmax(dim=-1)
         return sample(
             logits,

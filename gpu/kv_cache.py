@@ -4,16 +4,31 @@ Layout per layer: ``[num_kv_heads, num_blocks * block_size, head_dim]``; token s
 block ``b`` is row ``b * block_size + s``. Heads lead so that a gather of many slots gives
 ``[kv_heads, n, head_dim]``, which batched matmuls consume without a copy. The cache never
 decides which blocks a request owns: callers pass slot indices computed from block tables.
+
+The pool's size is decided here too, once for every process that needs it (the supervisor, the
+KV manager, the executor): :func:`resolve_num_blocks`. This module imports torch only inside the
+functions that need it, so sizing a pool from a config does not pull in the executor.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from actors.runtime.config import RuntimeConfig
+    from gpu.loader import ModelSpec
+
+DEFAULT_CPU_KV_BYTES = 512 << 20  # the KV budget on cpu when none is given
+DEFAULT_CUDA_KV_FRACTION = 0.8  # ... and on cuda, as a fraction of free device memory
 
 
 def available_memory(device: torch.device) -> int:
     """Free bytes on ``device``: cuda free memory, or MemAvailable from /proc/meminfo on cpu."""
     if device.type == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     try:
@@ -52,6 +67,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.num_kv_heads = num_kv_heads
+        import torch
+
         shape = (num_kv_heads, self.num_slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -68,6 +85,8 @@ class PagedKVCache:
         num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
     ) -> int:
         """Bytes one block takes across all layers, K and V."""
+        import torch
+
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * block_size * elem
 
@@ -86,3 +105,36 @@ class PagedKVCache:
         """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) of ``layer`` at ``slots`` (``[n]`` int64)."""
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+
+
+def pool_blocks(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    kv_memory: int | float | None = None,
+) -> int:
+    """Blocks of ``block_size`` tokens for ``spec``'s KV within ``kv_memory`` (bytes if an int or a
+    float > 1, else a fraction of free device memory); None means the default budget:
+    ``DEFAULT_CPU_KV_BYTES`` on cpu, ``DEFAULT_CUDA_KV_FRACTION`` of free memory on cuda."""
+    per_block = PagedKVCache.bytes_per_block(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype
+    )
+    if kv_memory is None:
+        kv_memory = DEFAULT_CUDA_KV_FRACTION if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+    return PagedKVCache.blocks_for_budget(kv_memory, per_block, device)
+
+
+def resolve_num_blocks(cfg: RuntimeConfig) -> int:
+    """The KV pool size in blocks: ``kv.num_blocks`` if set, else :func:`pool_blocks` for the
+    configured model, device, dtype and ``kv.kv_memory`` (the KV manager and the executor must
+    use the same number; the supervisor resolves it once and writes it into the config)."""
+    if cfg.kv.num_blocks:
+        return int(cfg.kv.num_blocks)
+    from gpu import loader
+
+    device = loader.resolve_device(cfg.executor.device)
+    dtype = loader.resolve_dtype(cfg.executor.dtype, device)
+    return pool_blocks(
+        loader.load_spec(cfg.model), dtype, device, cfg.kv.block_size, cfg.kv.kv_memory
+    )

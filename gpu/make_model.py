@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES = ("tiny", "bench")
+SIZES = ("tiny", "bench", "q05")
+# Sizes that are benchmark bodies (random weights, qwen2 only); never used by the tests.
+_BENCH_SIZES = ("bench", "q05")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -70,6 +72,17 @@ def _sizes(size: str) -> dict[str, Any]:
             max_position_embeddings=4096,
             tie_word_embeddings=True,
         )
+    if size == "q05":  # Qwen2.5-0.5B's body with the bench vocabulary: 0.39B parameters
+        return dict(
+            vocab_size=32000,
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        )
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
 
 
@@ -108,8 +121,8 @@ def make_model(
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if size == "bench" and arch != "qwen2":
-        raise ValueError("the bench size is defined for qwen2 only")
+    if size in _BENCH_SIZES and arch != "qwen2":
+        raise ValueError(f"the {size} size is defined for qwen2 only")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dims = _sizes(size)

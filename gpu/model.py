@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu import paged_kernel
 from gpu.attention import AttentionMetadata, paged_attention
 from gpu.kv_cache import PagedKVCache
-from gpu.linear import Linear, packing_enabled
+from gpu.linear import TILE_ROWS, Linear, packing_enabled
 from gpu.loader import ModelSpec
 
 
@@ -35,23 +36,30 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+# Layers keep their plain float32 weights beside the packed ones (for lone decodes, see
+# gpu.linear.GEMV_ROWS) when those copies take at most this much memory: the bench model's 90 MB
+# cut a batch-1 decode step from 18.0 to 13.8 ms (1 thread, thread time, min of 40, interleaved
+# with the packed-only build); a 0.4B model's 1.4 GB would cost more memory than it is worth.
+PLAIN_COPY_BUDGET = 512 << 20
+
+
 class _Layer:
-    def __init__(self, w: dict[str, torch.Tensor], p: str, pack: bool) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], p: str, pack: bool, plain: bool) -> None:
         a = p + "self_attn."
         self.ln_in = w[p + "input_layernorm.weight"]
         self.ln_post = w[p + "post_attention_layernorm.weight"]
         biases = [w.get(a + n + "_proj.bias") for n in "qkv"]
         qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
-        self.qkv = Linear(torch.cat([w[a + n + "_proj.weight"] for n in "qkv"]), qkv_b, pack)
-        self.o = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), pack)
+        self.qkv = Linear(torch.cat([w[a + n + "_proj.weight"] for n in "qkv"]), qkv_b, pack, plain)
+        self.o = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), pack, plain)
         self.q_norm = w.get(a + "q_norm.weight")
         self.k_norm = w.get(a + "k_norm.weight")
         m = p + "mlp."
         if any(m + n + "_proj.bias" in w for n in ("gate", "up", "down")):
             raise ValueError("MLP biases are not supported")
         gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
-        self.gate_up = Linear(gate_up, None, pack)
-        self.down = Linear(w[m + "down_proj.weight"], None, pack)
+        self.gate_up = Linear(gate_up, None, pack, plain)
+        self.down = Linear(w[m + "down_proj.weight"], None, pack, plain)
 
 
 class LlamaFamilyModel:
@@ -65,8 +73,17 @@ class LlamaFamilyModel:
         if head is None or spec.tie_word_embeddings:
             head = self.embed
         pack = packing_enabled(device, self.embed.dtype)
-        self.lm_head = Linear(head, None, pack)
-        self.layers = [_Layer(weights, f"model.layers.{i}.", pack) for i in range(spec.num_layers)]
+        # tied: the embedding keeps the plain weight resident anyway, so lone decodes use it
+        self.lm_head = Linear(head, None, pack, keep_plain=head is self.embed)
+        layer_bytes = sum(
+            t.numel() * t.element_size()
+            for n, t in weights.items()
+            if n.startswith("model.layers.")
+        )
+        plain = layer_bytes <= PLAIN_COPY_BUDGET
+        self.layers = [
+            _Layer(weights, f"model.layers.{i}.", pack, plain) for i in range(spec.num_layers)
+        ]
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
@@ -99,7 +116,10 @@ class LlamaFamilyModel:
     def warm_up(self) -> None:
         """Build every packed linear's kernels now (see :mod:`gpu.linear`); a no-op unpacked.
 
-        Kernels are cached by shape, so one linear per distinct shape is enough."""
+        Kernels are cached by shape, so one linear per distinct shape is enough. On CPU this also
+        builds (or loads) the paged decode-attention kernel, so the first step does not."""
+        if self.embed.device.type == "cpu":
+            paged_kernel.kernel()
         seen = set()
         for lin in [self.lm_head] + [
             x for ly in self.layers for x in (ly.qkv, ly.o, ly.gate_up, ly.down)
@@ -141,9 +161,13 @@ class LlamaFamilyModel:
                 q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), cos, sin)
                 k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), cos, sin)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
-            x = x + ly.o(attn)
-            h = rms_norm(x, ly.ln_post, eps)
-            gate, up = ly.gate_up(h).chunk(2, dim=-1)
-            x = x + ly.down(F.silu(gate) * up)
+            # Row tiles of TILE_ROWS from here to the layer's end: the linears tile there anyway
+            # (same kernels, same rounding), so the outputs add into x in place instead of being
+            # concatenated, and each tile's [rows, 2 * ffn] intermediate stays in cache.
+            for r in range(0, t, TILE_ROWS):
+                xs = x[r : r + TILE_ROWS]  # a view: the adds below write into x
+                xs += ly.o(attn[r : r + TILE_ROWS])
+                gate, up = ly.gate_up(rms_norm(xs, ly.ln_post, eps)).chunk(2, dim=-1)
+                xs += ly.down(F.silu(gate).mul_(up))
         h = rms_norm(x[logit_rows], self.norm, eps)
         return self.lm_head(h).float()

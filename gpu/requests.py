@@ -4,8 +4,13 @@ the validation of a new request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from gpu.sampling import SamplingParams, SamplingParamsError
+from messages.common import SamplingParams, validate_params
+
+if TYPE_CHECKING:
+    from gpu.logits_processors import LogitsProcessors
+    from gpu.structured.masks import GrammarState
 
 
 class ExecutorInputError(ValueError):
@@ -21,7 +26,8 @@ class ExecutorInputError(ValueError):
 @dataclass
 class TokenOutput:
     """One request's progress in one step. Logprobs are of the model's raw distribution
-    (log-softmax of the logits, before temperature/filters); ``top_logprobs`` is ``[]`` when
+    (log-softmax of the logits, before the grammar mask, penalties, bias, temperature and
+    filters, as vLLM's default ``raw_logprobs``); ``top_logprobs`` is ``[]`` when
     ``logprobs == 0`` and None when logprobs were not asked for."""
 
     request_id: str
@@ -37,7 +43,10 @@ class TokenOutput:
 @dataclass
 class StepResult:
     """What one ``Executor.step`` did; ``forward_s`` covers the forward and sampling, ``step_s``
-    the whole call (scheduling, input building, bookkeeping included)."""
+    the whole call (scheduling, input building, bookkeeping included), ``mask_s`` the grammar
+    work of constrained rows (bitmask fill and application, matcher advance; within
+    ``forward_s``). ``failed``: ``(request_id, field, reason)`` of requests that ended in
+    error this step (a grammar that allowed no token); they have no output."""
 
     outputs: list[TokenOutput]
     num_prefill_tokens: int
@@ -46,11 +55,16 @@ class StepResult:
     skipped: list[str]  # requests whose block table had no room this step
     forward_s: float
     step_s: float
+    mask_s: float = 0.0
+    num_constrained: int = 0
+    failed: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 @dataclass
 class RequestState:
-    """One in-flight request as the executor tracks it (mutated by Executor.step)."""
+    """One in-flight request as the executor tracks it (mutated by Executor.step): the wire
+    params, and the sampling state derived from them (resolved seed, stop ids, the logit
+    processors' token counts and the grammar's matcher, each None when the request uses none)."""
 
     rid: str
     prompt: list[int]
@@ -61,6 +75,8 @@ class RequestState:
     stop: frozenset[int]
     prior: int = 0  # outputs generated before a preemption, at the end of ``prompt``
     out: list[int] = field(default_factory=list)
+    procs: LogitsProcessors | None = None
+    grammar: GrammarState | None = None
 
 
 def check_request(
@@ -81,10 +97,9 @@ def check_request(
     def bad(fld: str, reason: str) -> ExecutorInputError:
         return ExecutorInputError(request_id, fld, reason)
 
-    try:
-        params.validate()
-    except SamplingParamsError as e:
-        raise bad(e.field, e.reason) from None
+    invalid = validate_params(params, vocab_size)
+    if invalid is not None:
+        raise bad(*invalid)
     n = len(prompt)
     if n == 0:
         raise bad("prompt_ids", "empty prompt")

@@ -1,69 +1,25 @@
-"""Per-request sampling parameters and a batched sampler.
+"""A batched sampler for the wire ``SamplingParams`` (``messages.common``, validated there).
 
 Randomness is a pure function of ``(seed, output index)``: each sampled row draws its noise from
 a generator seeded with a hash of the two, so a request yields the same tokens whatever else is
 in the batch and after being preempted and recomputed. Filters apply in transformers' order:
 temperature, top-k, top-p, min-p; then a categorical draw by the exponential race
-``argmax(p / E)``, ``E ~ Exp(1)`` (equivalent to Gumbel-max).
+``argmax(p / E)``, ``E ~ Exp(1)`` (equivalent to Gumbel-max). Penalties, ``logit_bias`` and
+``min_tokens`` are applied before, by ``gpu.logits_processors`` (on the rows that use them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-MAX_LOGPROBS = 20
+from messages.common import SamplingParams
+
 _M64 = (1 << 64) - 1
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; ``field`` names it."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; 0: sampled token's only; n <= 20: plus top-n
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def validate(self) -> None:
-        """Raise SamplingParamsError (a ValueError) naming the first field out of range."""
-        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
-            raise SamplingParamsError(
-                "temperature", f"must be finite and >= 0, got {self.temperature}"
-            )
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamsError("top_k", f"must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise SamplingParamsError("seed", f"must be an int or None, got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids", "must be non-negative ints")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise SamplingParamsError(
-                "logprobs", f"must be None or 0..{MAX_LOGPROBS}, got {self.logprobs}"
-            )
+def is_greedy(p: SamplingParams) -> bool:
+    """Whether ``p`` picks the argmax (temperature 0 or top-k 1): no noise, no filters."""
+    return p.temperature == 0.0 or p.top_k == 1
 
 
 def noise_seed(seed: int, index: int) -> int:
@@ -127,7 +83,7 @@ def sample(
     ``[B]`` int64 on the logits' device. Pure: same inputs, same tokens.
     """
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if not rows:
         return tokens
     dev = logits.device

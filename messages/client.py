@@ -8,13 +8,20 @@ from messages.common import ErrorReply, HelloAck, Msg, Pong
 
 
 class Welcome(Msg, tag="welcome"):
-    """Answer to a client's ``Hello``: the server's version and what it serves."""
+    """Answer to a client's ``Hello``: the server's version and what it serves.
+
+    ``ok`` false refuses the connection (version mismatch, ``reason`` says why). ``ready`` false
+    means the runtime does not serve yet (an actor is missing or restarting, or the scheduler is
+    not admitting); ``reason`` names what it waits for. A client sends ``hello`` again (or
+    ``ping``: the ``pong`` carries ``ready`` too) until it is ready. ``boot_id`` changes when the
+    service restarts (the requests in flight are then lost)."""
 
     version: int
     model: str
     max_model_len: int
     boot_id: str = ""
     ok: bool = True
+    ready: bool = True
     reason: str = ""
 
 
@@ -57,13 +64,15 @@ class Timings(msgspec.Struct, omit_defaults=True):
 
 
 class Final(Msg, tag="final"):
-    """The last message of a request. ``finish_reason``: stop, length, abort or error."""
+    """The last message of a request. ``finish_reason``: ``stop`` (EOS, a stop token or a stop
+    string: ``stop_reason`` names the string), ``length`` (``max_tokens``) or ``abort`` (the client's
+    ``cancel``). A request that fails ends with an ``error`` instead."""
 
     request_id: str
     finish_reason: str
     usage: Usage
     timings: Timings
-    stop_reason: str | None = None  # the stop string or stop token that ended it
+    stop_reason: str | None = None  # the stop string that ended it
     preemptions: int = 0
 
 

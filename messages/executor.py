@@ -10,7 +10,8 @@ class Run(Msg, tag="x_run"):
     tokens' KV is already in those blocks. ``output_offset`` counts tokens generated in earlier
     attempts: after a preemption ``prompt_ids`` ends with them, ``params`` are the original ones
     (``max_tokens`` counts all outputs) and seeded sampling resumes at output index
-    ``output_offset``, so a preempted request gives the tokens it would have given anyway."""
+    ``output_offset``, so a preempted request gives the tokens it would have given anyway (the
+    penalties and ``min_tokens`` count those ``output_offset`` tokens as generated ones)."""
 
     request_id: str
     attempt: int

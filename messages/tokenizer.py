@@ -1,10 +1,29 @@
-"""What the tokenizer service accepts: client requests, plus events from the scheduler and executor."""
+"""What the tokenizer service accepts: client requests, plus events from the scheduler and executor.
+
+Request ids are scoped to the client's connection: a client names its requests as it likes (two
+clients may both use "1"), and the service gives each request a runtime-wide id,
+``"<client's id>@<scope>"`` (``scope``: the service's boot id and a request counter), used between
+the actors and in their events. Messages to a client carry the client's own id.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
 from messages.common import Hello, Msg, Ping, SamplingParams
+
+SCOPE_SEP = "@"
+
+
+def scoped_request_id(request_id: str, scope: str) -> str:
+    """The runtime-wide id of a client's ``request_id``; ``scope`` makes it unique."""
+    return f"{request_id}{SCOPE_SEP}{scope}"
+
+
+def client_request_id(request_id: str) -> str:
+    """The client's own id inside a runtime-wide id (an unscoped id is returned as it is)."""
+    head, sep, _ = request_id.rpartition(SCOPE_SEP)
+    return head if sep else request_id
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -14,8 +33,10 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 class Generate(Msg, tag="generate"):
     """A client's request. Exactly one of ``prompt`` (text), ``messages`` (chat, rendered with the
-    model's chat template) or ``prompt_ids`` (raw token ids) is set. ``request_id`` is optional;
-    the service assigns one when it is empty. ``stop`` are stop strings, matched on the text."""
+    model's chat template) or ``prompt_ids`` (raw token ids) is set. ``request_id`` is optional
+    (the service assigns one when it is empty) and scoped to the connection: it must be unique
+    among the client's own requests in flight. ``stop`` are stop strings, matched on the text
+    (not before ``params.min_tokens`` tokens)."""
 
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     prompt: str | None = None
@@ -27,7 +48,8 @@ class Generate(Msg, tag="generate"):
 
 
 class Cancel(Msg, tag="cancel"):
-    """A client abandons a request; the service aborts it everywhere and answers ``Final(abort)``."""
+    """A client abandons one of its own requests; the service aborts it everywhere and answers
+    ``Final(abort)``. An id the client has no request in flight under is ignored."""
 
     request_id: str
 

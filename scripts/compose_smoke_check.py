@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from messages.tokenizer import client_request_id
+
 
 def load_pairs(out_dir: Path) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     pairs = []
@@ -107,10 +109,10 @@ def answers(model_dir: str, out_dir: Path) -> int:
 
 # (actor, event) every finished request must have in the event files.
 REQUIRED = (
-    ("tokenizer", "request.received"),
+    ("tokenizer", "client.received"),
     ("scheduler", "request.admitted"),
     ("scheduler", "request.finished"),
-    ("tokenizer", "request.completed"),
+    ("tokenizer", "client.completed"),
 )
 
 
@@ -130,7 +132,8 @@ def events(run_dir: Path, out_dir: Path) -> int:
             except json.JSONDecodeError:
                 continue
             rid = e.get("request_id")
-            if rid:
+            if rid:  # runtime-wide ids hold the client's own id (requests are per connection)
+                rid = client_request_id(rid)
                 seen.setdefault(rid, set()).add((e.get("actor", ""), e.get("event", "")))
     bad = []
     for name, _req, res in load_pairs(out_dir):

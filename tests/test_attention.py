@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu import paged_kernel
 from gpu.attention import build_metadata, group_by_length, paged_attention
 from gpu.kv_cache import PagedKVCache
 from gpu.linear import Linear, packing_enabled
@@ -40,12 +41,14 @@ def test_grouping_splits_short_from_long_contexts_only_when_worth_it():
     assert group_by_length([], 64) == []
 
 
-def test_grouped_decode_attention_equals_one_padded_batch():
-    """Many groups (group_cost 0) and one group (huge cost) attend to the same contexts."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_equals_one_padded_batch(dtype):
+    """Many groups (group_cost 0), one group (huge cost) and the CPU kernel (where it builds)
+    attend to the same contexts."""
     torch.manual_seed(0)
     rng = random.Random(0)
     kvh, heads, d, bs = 2, 8, 16, 4
-    cache = PagedKVCache(1, kvh, d, 1000, bs, torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(1, kvh, d, 1000, bs, dtype, torch.device("cpu"))
     cache.k[0].normal_()
     cache.v[0].normal_()
     free = list(range(1000))
@@ -54,22 +57,29 @@ def test_grouped_decode_attention_equals_one_padded_batch():
     for _ in range(23):
         pos = rng.randint(0, 150)
         decodes.append(([free.pop() for _ in range(pos // bs + 1)], pos))
-    q = torch.randn(len(decodes), heads, d)
-    k = torch.randn(len(decodes), kvh, d)
-    v = torch.randn(len(decodes), kvh, d)
+    q = torch.randn(len(decodes), heads, d).to(dtype)
+    k = torch.randn(len(decodes), kvh, d).to(dtype)
+    v = torch.randn(len(decodes), kvh, d).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     outs = []
     for cost in (0, 10**9):
-        meta = build_metadata(decodes, [], cache, torch.float32, torch.device("cpu"), cost)
+        meta = build_metadata(decodes, [], cache, dtype, torch.device("cpu"), cost, False)
         assert len(meta.decode_groups) == (1 if cost else len({p // bs for _, p in decodes}))
         outs.append(paged_attention(q, k, v, cache, 0, meta, d**-0.5))
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    if paged_kernel.usable(torch.device("cpu"), dtype):
+        meta = build_metadata(decodes, [], cache, dtype, torch.device("cpu"))
+        assert meta.decode_tables is not None and not meta.decode_groups
+        outs.append(paged_attention(q, k, v, cache, 0, meta, d**-0.5))
+    for out in outs[1:]:
+        torch.testing.assert_close(outs[0], out, **tol)
     # and against attention computed directly from the written cache, one request at a time
     for i, (table, pos) in enumerate(decodes):
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(pos + 1)])
-        kc = cache.k[0][:, slots].repeat_interleave(heads // kvh, 0)  # [heads, ctx, d]
-        vc = cache.v[0][:, slots].repeat_interleave(heads // kvh, 0)
-        want = F.scaled_dot_product_attention(q[i][:, None], kc, vc)[:, 0]
-        torch.testing.assert_close(outs[0][i].view(heads, d), want, rtol=1e-5, atol=1e-5)
+        kc = cache.k[0][:, slots].repeat_interleave(heads // kvh, 0).float()  # [heads, ctx, d]
+        vc = cache.v[0][:, slots].repeat_interleave(heads // kvh, 0).float()
+        want = F.scaled_dot_product_attention(q[i].float()[:, None], kc, vc)[:, 0]
+        for out in outs:
+            torch.testing.assert_close(out[i].view(heads, d).float(), want, **tol)
 
 
 @pytest.mark.skipif(
@@ -96,3 +106,22 @@ def test_packing_can_be_switched_off(monkeypatch):
     lin = Linear(torch.eye(3), None, pack=packing_enabled(torch.device("cpu"), torch.float32))
     assert lin.packed is None
     torch.testing.assert_close(lin(torch.ones(2, 3)), torch.ones(2, 3))
+
+
+@pytest.mark.skipif(
+    not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 40), torch.randn(96)
+    lin = Linear(w, b, pack=True, keep_plain=True)
+    assert lin.packed is not None and lin.weight is w and lin.gemv_rows == 2
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, 40)
+        got = lin(x)
+        if rows <= 2:  # the plain weight through F.linear: bit-identical to it
+            assert torch.equal(got, F.linear(x, w, b))
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    bf = Linear(w.bfloat16(), None, pack=True, keep_plain=True)
+    if bf.packed is not None:  # bf16: the packed kernel is faster at every row count
+        assert bf.weight is None and bf.gemv_rows == 0

@@ -4,6 +4,7 @@ restarts it, the others re-sync, and new requests succeed."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -38,7 +39,7 @@ async def test_sigkill_actor_fails_inflight_then_recovers(victim, tiny_model, tm
             async with trio.open_nursery() as nursery:
                 for i in range(6):
                     nursery.start_soon(one, i)
-                await wait_until(lambda: rt.events("request.prefill_done"), timeout=30)
+                await wait_until(lambda: rt.events("executor.prefill_done"), timeout=30)
                 old_pid = rt.pid_of(victim)
                 killed_at = time.monotonic()
                 os.kill(old_pid, signal.SIGKILL)
@@ -46,13 +47,19 @@ async def test_sigkill_actor_fails_inflight_then_recovers(victim, tiny_model, tm
                 ended_after = time.monotonic() - killed_at
         errors = [o for o in outcomes if isinstance(o, RequestError)]
         assert len(errors) >= 5, outcomes  # at most the one running request may have finished
-        name = "tokenizer" if victim == "tokenizer" else victim
+        if victim == "tokenizer":
+            # the front door itself died: the client notices (silence, or its successor's boot id)
+            said = r"tokenizer service (stopped answering|restarted)"
+        else:
+            # the tokenizer service stays up, learns of the death (by heartbeats, or from the
+            # scheduler) and says which actor died or restarted
+            said = rf"\b{victim} (died \(no heartbeat|restarted \(new boot id).*; request aborted"
         for e in errors:
-            assert e.code == "actor_dead" and name in str(e), e
+            assert e.code == "actor_dead" and re.search(said, str(e)), e
         assert ended_after < 6.0, f"in-flight requests took {ended_after:.1f}s to fail"
 
         await wait_until(lambda: rt.pid_of(victim) != old_pid, timeout=30)  # restarted
-        assert rt.events("supervisor.restarted")
+        assert rt.events("supervisor.child_restarted")
 
         async def recovered():
             try:

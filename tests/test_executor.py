@@ -14,17 +14,21 @@ from transformers import AutoModelForCausalLM
 from gpu.executor import Executor, ExecutorInputError
 from gpu.loader import UnsupportedModelError
 from gpu.make_model import ARCHS
-from gpu.sampling import SamplingParams
+from messages.common import SamplingParams
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-5
 
 
 class Driver:
-    """Plays the KV manager's role: hands out blocks, grows tables, frees finished requests."""
+    """Plays the KV manager's role: hands out blocks, grows tables, frees finished requests.
 
-    def __init__(self, ex: Executor) -> None:
+    It grants blocks late at random (its own generator, seeded: the same steps in any test
+    order), so requests are skipped for lack of room and resume when their blocks come."""
+
+    def __init__(self, ex: Executor, seed: int = 0) -> None:
         self.ex = ex
+        self.rng = random.Random(seed)
         self.free = list(range(ex.num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
         self.outs: dict[str, list[int]] = {}
@@ -65,7 +69,7 @@ class Driver:
                 continue
             total = o.num_prompt_tokens + o.num_output_tokens
             need = -(-total // self.ex.block_size) - len(self.tables[o.request_id])
-            if need > 0 and random.random() < 0.5:  # sometimes late: exercise `skipped`
+            if need > 0 and self.rng.random() < 0.5:  # sometimes late: exercise `skipped`
                 self.grow(o.request_id, need)
 
     def grow(self, rid: str, n: int) -> None:
@@ -106,7 +110,6 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _exactness(model_dir: Path, device: str) -> None:
-    random.seed(0)
     ex = Executor(
         model_dir, device=device, dtype="float32", num_blocks=600, chunk_cap=7, step_budget=40
     )
@@ -193,6 +196,13 @@ BAD_INPUTS = [
     ("temperature", dict(params=SamplingParams(temperature=-1.0))),
     ("top_p", dict(params=SamplingParams(top_p=0.0))),
     ("logprobs", dict(params=SamplingParams(logprobs=21))),
+    ("presence_penalty", dict(params=SamplingParams(presence_penalty=2.5))),
+    ("frequency_penalty", dict(params=SamplingParams(frequency_penalty=-2.01))),
+    ("repetition_penalty", dict(params=SamplingParams(repetition_penalty=0.0))),
+    ("logit_bias", dict(params=SamplingParams(logit_bias={512: 1.0}))),  # vocab is 512
+    ("logit_bias", dict(params=SamplingParams(logit_bias={5: 100.5}))),
+    ("min_tokens", dict(params=SamplingParams(max_tokens=4, min_tokens=5))),
+    ("min_tokens", dict(params=SamplingParams(min_tokens=-1))),
     ("num_cached_tokens", dict(prompt=[5] * 40, cached=8)),
     ("num_cached_tokens", dict(prompt=[5] * 32, cached=32)),
     ("request_id", dict(rid="ok0")),
@@ -237,7 +247,7 @@ def test_finish_reasons_and_eos(tiny_model):
     drv.run()
     assert drv.finish["len"] == "length" and len(drv.outs["len"]) == 3
     first = drv.outs["len"][0]
-    drv.add("stop", [40, 41, 42], SamplingParams(max_tokens=5, stop_token_ids=(first,)))
+    drv.add("stop", [40, 41, 42], SamplingParams(max_tokens=5, stop_token_ids=[first]))
     drv.run()
     assert drv.finish["stop"] == "stop" and drv.outs["stop"] == [first]
     assert set(ex.eos_token_ids) == {0, 2}
@@ -259,6 +269,21 @@ def test_block_budget_and_unsupported_arch(tiny_model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*Qwen3ForCausalLM"):
         Executor(tmp_path)
+
+
+def test_pool_size_has_one_default(tiny_model):
+    """The supervisor's pool size (resolve_num_blocks) and the executor's own default agree."""
+    from actors.runtime.config import RuntimeConfig
+    from gpu.kv_cache import DEFAULT_CPU_KV_BYTES, resolve_num_blocks
+
+    cfg = RuntimeConfig(model=str(tiny_model))
+    per_block = 2 * 2 * 2 * 16 * 16 * 4  # K+V, layers, kv heads, head dim, tokens, float32
+    assert resolve_num_blocks(cfg) == DEFAULT_CPU_KV_BYTES // per_block
+    assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
+    cfg.kv.kv_memory = float(1 << 20)
+    assert resolve_num_blocks(cfg) == (1 << 20) // per_block
+    cfg.kv.num_blocks = 7
+    assert resolve_num_blocks(cfg) == 7
 
 
 def test_logprobs(tiny_model):

@@ -1,4 +1,5 @@
-"""Sampling: filters, seeded determinism, batch independence and preemption safety."""
+"""Sampling: filters, seeded determinism, batch independence, preemption safety, and the
+penalties, logit_bias and min_tokens end to end through the executor."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from gpu.executor import Executor
-from gpu.sampling import SamplingParams, SamplingParamsError, filter_logits, sample
+from gpu.sampling import filter_logits, sample
+from messages.common import SamplingParams, validate_params
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 # Chi-square critical values at p = 0.001 by degrees of freedom.
@@ -103,17 +105,44 @@ def test_greedy_rows_are_argmax():
 def test_validate_names_the_field():
     for field, kw in [
         ("temperature", dict(temperature=-0.1)),
+        ("temperature", dict(temperature=float("nan"))),
         ("top_k", dict(top_k=-1)),
         ("top_p", dict(top_p=1.5)),
         ("min_p", dict(min_p=-0.1)),
         ("max_tokens", dict(max_tokens=0)),
-        ("stop_token_ids", dict(stop_token_ids=(-1,))),
+        ("stop_token_ids", dict(stop_token_ids=[-1])),
+        ("stop_token_ids", dict(stop_token_ids=[100])),
         ("logprobs", dict(logprobs=21)),
+        ("presence_penalty", dict(presence_penalty=2.1)),
+        ("presence_penalty", dict(presence_penalty=float("nan"))),
+        ("frequency_penalty", dict(frequency_penalty=-2.5)),
+        ("repetition_penalty", dict(repetition_penalty=0.0)),
+        ("repetition_penalty", dict(repetition_penalty=float("inf"))),
+        ("logit_bias", dict(logit_bias={100: 1.0})),
+        ("logit_bias", dict(logit_bias={-1: 1.0})),
+        ("logit_bias", dict(logit_bias={3: -100.5})),
+        ("logit_bias", dict(logit_bias={3: float("nan")})),
+        ("min_tokens", dict(min_tokens=-1)),
+        ("min_tokens", dict(max_tokens=8, min_tokens=9)),
     ]:
-        with pytest.raises(SamplingParamsError) as err:
-            SamplingParams(**kw).validate()
-        assert err.value.field == field and field in str(err.value)
-    SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, logprobs=20).validate()
+        bad = validate_params(SamplingParams(**kw), vocab_size=100)
+        assert bad is not None and bad[0] == field, (kw, bad)
+    good = SamplingParams(
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        logprobs=20,
+        stop_token_ids=[99],
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=0.5,
+        logit_bias={0: -100.0, 99: 100.0},
+        max_tokens=8,
+        min_tokens=8,
+    )
+    assert validate_params(good, vocab_size=100) is None
+    assert validate_params(SamplingParams(logit_bias={10**6: 1.0})) is None  # no vocab: ids >= 0
 
 
 def _run(ex: Executor, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -174,3 +203,118 @@ def test_seeded_request_survives_preemption(tiny_model):
             got.append(o.token_id)
             last = o
     assert got == full and last.num_output_tokens == 12 and last.finish_reason == "length"
+
+
+# ---- penalties, logit_bias and min_tokens through the executor ---------------------------------
+
+PENALIZED = dict(
+    repetition_penalty=1.3,
+    frequency_penalty=0.5,
+    presence_penalty=0.5,
+    logit_bias={17: 1.0, 18: -2.0},
+    min_tokens=4,
+)
+
+
+def test_plain_batches_skip_the_processors(tiny_model, monkeypatch):
+    import gpu.executor
+
+    calls: list[list[int]] = []  # per call: outputs so far of each processed row
+    real = gpu.executor.apply_processors
+
+    def spy(logits, rows):
+        calls.append([n for _, _, n in rows])
+        return real(logits, rows)
+
+    monkeypatch.setattr(gpu.executor, "apply_processors", spy)
+    ex = Executor(tiny_model, num_blocks=128)
+    plain = {
+        "g": ([5, 6, 7], SamplingParams(max_tokens=6)),
+        "s": ([5, 6, 7], SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=6)),
+    }
+    _run(ex, plain)
+    assert calls == []
+    pen = SamplingParams(max_tokens=6, ignore_eos=True, **PENALIZED)
+    _run(ex, {**plain, "p": ([5, 6, 7], pen)})
+    assert calls == [[n] for n in range(6)]  # p's row alone, once per token it sampled
+
+
+def test_logit_bias_forces_the_greedy_token(tiny_model):
+    ex = Executor(tiny_model, num_blocks=128)
+    prompt = [40, 41, 42, 43]
+    alone = _run(ex, {"g": (prompt, SamplingParams(max_tokens=8))})["g"]
+    outs = _run(
+        ex,
+        {
+            "g": (prompt, SamplingParams(max_tokens=8)),
+            "b": (prompt, SamplingParams(max_tokens=8, logit_bias={77: 100.0})),
+        },
+    )
+    assert outs["b"] == [77] * 8
+    assert outs["g"] == alone and 77 not in alone  # the plain neighbour is untouched
+
+
+def test_min_tokens_holds_back_eos(tiny_model):
+    ex = Executor(tiny_model, num_blocks=128)
+    eos = min(ex.eos_token_ids)
+    pushed = dict(max_tokens=10, logit_bias={eos: 100.0})
+    assert _run(ex, {"a": ([9, 10, 11], SamplingParams(**pushed))})["a"] == [eos]
+    out = _run(ex, {"a": ([9, 10, 11], SamplingParams(min_tokens=3, **pushed))})["a"]
+    assert len(out) == 4 and out[3] == eos and not set(out[:3]) & set(ex.eos_token_ids)
+    stop = SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[77], logit_bias={77: 100.0})
+    out = _run(ex, {"s": ([9, 10, 11], stop)})["s"]
+    assert len(out) == 3 and out[2] == 77 and 77 not in out[:2]
+
+
+def test_repetition_penalty_matches_transformers_generate(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    ex = Executor(tiny_model, num_blocks=256, chunk_cap=7, step_budget=40)
+    prompts = [[30, 31, 30, 31, 30, 31, 32], [100 + i % 5 for i in range(40)], [7] * 19]
+    reqs: dict[str, tuple[list[int], SamplingParams]] = {}
+    for i, p in enumerate(prompts):
+        reqs[f"d{i}"] = (p, SamplingParams(max_tokens=16))  # defaults: plain greedy
+        reqs[f"r{i}"] = (p, SamplingParams(max_tokens=16, repetition_penalty=1.8, min_tokens=16))
+    outs = _run(ex, reqs)
+    changed = 0
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            plain = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+            ref = hf.generate(
+                ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.8, min_new_tokens=16
+            )[0, len(p) :].tolist()
+        assert outs[f"d{i}"] == plain, i
+        assert outs[f"r{i}"] == ref, i
+        changed += ref != plain
+    assert changed >= 2  # the penalty did change the text
+
+
+@pytest.mark.parametrize("temperature,penalty", [(0.0, -1.0), (1.0, -2.0)])
+def test_penalized_request_survives_preemption(tiny_model, temperature, penalty):
+    """Negative penalties favour generated tokens: the counts of the outputs before the
+    preemption decide the tokens after it."""
+    ex = Executor(tiny_model, num_blocks=64)
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8]
+    plain = dict(max_tokens=14, ignore_eos=True, temperature=temperature, seed=5)
+    params = SamplingParams(
+        **plain,
+        frequency_penalty=penalty,
+        presence_penalty=penalty,
+        repetition_penalty=1.3,
+        logit_bias={17: 1.0},
+        min_tokens=8,
+    )
+    full = _run(ex, {"a": (prompt, params)})["a"]
+    assert full != _run(ex, {"a": (prompt, SamplingParams(**plain))})["a"]
+    for cut in (2, 5, 8, 11):  # preempted after ``cut`` tokens, resumed with them
+        ex.add_request("a", prompt, params, [0, 1])
+        got: list[int] = []
+        while len(got) < cut:
+            got += [o.token_id for o in ex.step().outputs if o.token_id is not None]
+        assert ex.abort("a")
+        ex.add_request("a", prompt + got, params, [2, 3, 4], prior_output_tokens=len(got))
+        while ex.has_work():
+            got += [o.token_id for o in ex.step().outputs if o.token_id is not None]
+        assert got == full, cut

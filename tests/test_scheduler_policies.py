@@ -11,7 +11,7 @@ from actors.scheduler.state import SchedRequest
 from messages import executor as xm
 from messages import kv as km
 from messages.common import SamplingParams
-from messages.scheduler import AdmitResult, PrefillDone, RequestDone, Submit
+from messages.scheduler import AdmitResult, GrowthShortage, PrefillDone, RequestDone, Submit
 
 
 def req(rid: str, n: int = 4, priority: int = 0, seq: int = 0, t: float = 0.0) -> SchedRequest:
@@ -95,24 +95,43 @@ def _submit(core, rid, n=4, priority=0):
     )
 
 
+def _admits(out):
+    return [m for _, m in out if isinstance(m, km.Admit)]
+
+
 def test_lpm_core_asks_kv_for_matches_then_admits_the_cached_request():
     core = _core("lpm")
-    _submit(core, "a")  # admitted at once (no choice to make)
+    _submit(core, "a")  # alone in the queue: offered at once (no choice to make)
+    assert [m.request_id for m in _admits(core.take_outbox())] == ["a"]
+    _submit(core, "b", n=4)  # these wait: one admission in flight at a time
+    _submit(core, "c", n=5)
+    assert core.take_outbox() == []
     core.admit_result(AdmitResult(request_id="a", attempt=1, ok=True, block_table=[0]))
-    core.admitting = None
-    core.matching = False
-    core.outbox.clear()
-    # block admission while the queue fills up, then let the policy choose
-    core.admitting = core.requests["a"]
-    _submit(core, "b")
-    _submit(core, "c")
-    core.admitting = None
-    core.schedule()
-    [q] = [m for _, m in core.take_outbox() if isinstance(m, km.MatchQuery)]
-    assert len(q.token_lists) == 2
+    out = core.take_outbox()
+    [q] = [m for _, m in out if isinstance(m, km.MatchQuery)]
+    assert q.token_lists == [[1, 2, 3, 4], [1, 2, 3, 4, 5]]  # b, c: oldest first
+    assert not _admits(out)  # the policy waits for the match lengths
     core.match_reply(km.MatchReply(cached_tokens=[0, 4]))
-    [ask] = [m for _, m in core.take_outbox() if isinstance(m, km.Admit)]
+    [ask] = _admits(core.take_outbox())
     assert ask.request_id == "c"
+
+
+def test_priority_victim_policy_preempts_the_least_important_on_a_shortage():
+    cfg = SchedulerConfig(policy="priority", max_batch_size=8)
+    kv = KVConfig(block_size=4, victim_policy="priority")
+    core = SchedulerCore(cfg, kv, structlog.get_logger(), lambda: 0.0)
+    for rid, prio in (("low", 7), ("high", 0), ("mid", 3)):
+        _submit(core, rid, priority=prio)
+        assert [m.request_id for m in _admits(core.take_outbox())] == [rid]
+        core.admit_result(AdmitResult(request_id=rid, attempt=1, ok=True, block_table=[0]))
+    core.take_outbox()
+    core.shortage(
+        GrowthShortage(
+            request_id="high", attempt=1, blocks_needed=1, blocks_free=0, blocks_evictable=0
+        )
+    )
+    [pre] = [m for _, m in core.take_outbox() if isinstance(m, xm.Preempt)]
+    assert pre.request_id == "low"  # largest priority value: least important, though not newest
 
 
 def test_priority_preemption_only_when_configured():
@@ -136,7 +155,10 @@ def test_scheduler_bench_keeps_batch_and_queue_sizes():
     from actors.bench.scheduler import measure
 
     for policy in ("fcfs", "lpm"):
-        assert measure(policy, waiting=300, running=32, decisions=20) > 0
+        m = measure(policy, waiting=300, running=32, decisions=20)
+        assert m.seconds_per_decision > 0
+        assert m.admitted == 20, (policy, m)  # each decision admitted the next request
+        assert (m.running, m.waiting) == (32, 300), (policy, m)  # batch full, queue kept
 
 
 def test_requests_sharing_a_prefix_wait_for_its_prefill_then_hit_the_cache():

@@ -59,7 +59,7 @@ async def test_curve_client_with_key_is_served_and_without_is_not(tiny_model, tm
                 async with open_client(endpoint, curve_dir=who) as client:
                     await client.generate(prompt_ids=[4, 5, 6], max_tokens=3)
             assert timeout.cancelled_caught, f"{who or 'no key'} was served"
-        received = rt.events("request.received")
+        received = rt.events("client.received")
         assert len(received) == 1  # only the authorized client's request got in
 
 

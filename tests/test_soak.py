@@ -18,7 +18,7 @@ from messages import client as cm
 from tests.runtime import kv_stats, start_runtime, wait_until
 
 MAX_PREEMPTIONS = 3
-TERMINAL = ("request.completed", "request.failed", "request.rejected")
+TERMINAL = ("client.completed", "client.failed", "client.rejected")
 
 
 def rss_kb(pid: int) -> int:
@@ -90,7 +90,7 @@ def check(rt, report: dict, total: int) -> dict:
     assert set(kinds) <= {"stop", "length", "abort", "aborted", "overloaded", "actor_dead"}, kinds
     # exactly one terminal event per request at the front door: none lost, none duplicated
     ends = collections.Counter(
-        e["request_id"]
+        e["client_request_id"]
         for e in rt.events()
         if e.get("event") in TERMINAL and e.get("actor") == "tokenizer"
     )

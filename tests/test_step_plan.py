@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gpu.requests import RequestState
-from gpu.sampling import SamplingParams
 from gpu.step_plan import StepBudget, plan_step
+from messages.common import SamplingParams
 
 
 def st(rid: str, prompt: int, computed: int = 0, blocks: int = 64, out: int = 0) -> RequestState:

@@ -62,13 +62,13 @@ def test_generate_events_and_ctrl_c_leaves_no_process(tiny_model, tmp_path):
             check=True,
         ).stdout
         for event in (
-            "request.received",
+            "client.received",
             "request.queued",
             "request.admitted",
             "kv.allocated",
-            "request.prefill_done",
+            "executor.prefill_done",
             "request.finished",
-            "request.completed",
+            "client.completed",
         ):
             assert event in trace, event
         pids = [rt.pid_of(a) for a in ("tokenizer", "scheduler", "kv_manager", "executor")]

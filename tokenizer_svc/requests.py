@@ -34,18 +34,12 @@ def tokenize_request(
             "prompt",
             f"exactly one of prompt, messages, prompt_ids must be set (got {given or 'none'})",
         )
-    bad = validate_params(msg.params)
+    bad = validate_params(msg.params, vocab_size)
     if bad is not None:
         raise Invalid(ErrorCode.INVALID, f"params.{bad[0]}", bad[1])
     if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):
         raise Invalid(
             ErrorCode.INVALID, "stop", f"at most {MAX_STOP_STRINGS} non-empty stop strings"
-        )
-    if any(t >= vocab_size for t in msg.params.stop_token_ids):
-        raise Invalid(
-            ErrorCode.INVALID,
-            "params.stop_token_ids",
-            f"token ids must be < vocab size {vocab_size}",
         )
     if msg.prompt is not None:
         if not msg.prompt:

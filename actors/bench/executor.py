@@ -3,8 +3,11 @@
 
 W1: 64 requests, prompt lengths uniform in [32, 256] of random ids >= 16, 64 new tokens each,
 greedy, EOS ignored, seed 0, float32, 2 threads. Prints output tokens/s of each, the ratios, peak
-RSS and the compute-limit percentage (the workload's matmul FLOPs at a measured GEMM rate,
-divided by our wall time). ``--json PATH`` also writes the results.
+RSS and the compute-limit percentage (the workload's matmul FLOPs at the GEMM rate of the path
+the executor runs, see ``actors.bench.compute``, divided by our wall time); one request alone
+(time per output token, time outside the forward); vLLM's CPU backend on the same prompts when
+its venv exists (``actors.bench.vllm_row``). ``--profile PATH`` writes torch.profiler's op table
+of our run; ``--json PATH`` also writes the results.
 """
 
 from __future__ import annotations
@@ -40,11 +43,16 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' static batching")
     p.add_argument("--skip-cb", action="store_true", help="skip transformers' generate_batch")
+    p.add_argument(
+        "--skip-vllm", action="store_true", help="skip vLLM's CPU backend (--quick does)"
+    )
+    p.add_argument("--vllm-batched-tokens", type=int, default=8192)
+    p.add_argument("--profile", type=Path, default=None, help="write our run's op table here")
     p.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
     a = p.parse_args(argv)
     if a.quick:
-        a.requests, a.new_tokens = 8, 16
+        a.requests, a.new_tokens, a.skip_vllm = 8, 16, True
     return a
 
 
@@ -61,7 +69,7 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
 def run_ours(ex, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], dict]:
     """Drive the executor as the KV manager would (allocate blocks on demand); return
     (seconds, outputs, step stats)."""
-    from gpu.sampling import SamplingParams
+    from messages.common import SamplingParams
 
     bs = ex.block_size
     free = list(range(ex.num_blocks - 1, -1, -1))
@@ -156,41 +164,16 @@ def run_hf_cb(
     return elapsed, cpu, [list(r.generated_tokens) for r in by_id]
 
 
-def gemm_rate(hidden: int, inter: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Best measured FLOP/s of a representative GEMM ([256, hidden] x [hidden, 2*inter]), the
-    faster of ``F.linear`` and the packed linear the executor uses (see ``gpu.linear``)."""
-    from gpu.linear import Linear, packing_enabled
-
-    a = torch.randn(256, hidden, device=device, dtype=dtype)
-    w = torch.randn(2 * inter, hidden, device=device, dtype=dtype)
-    fns = [lambda: torch.nn.functional.linear(a, w)]
-    if packing_enabled(device, dtype):
-        packed = Linear(w, None, pack=True)  # its one kernel is built on the first timed call
-        fns.append(lambda: packed(a))
-    best = float("inf")
-    for fn in fns:
-        for _ in range(50):
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-    return 2 * 256 * hidden * 2 * inter / best
-
-
-def workload_flops(spec, prompts: list[list[int]], new_tokens: int) -> float:
-    """Matmul FLOPs the workload needs: linears for every computed token, attention scores and
-    values over each token's context, the LM head once per output token."""
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    per_tok = 2 * (h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size) * spec.num_layers
-    total = 0.0
-    for p in prompts:
-        n = len(p) + new_tokens - 1  # tokens that go through the model
-        total += n * per_tok
-        total += 4 * q * spec.num_layers * n * (n + 1) / 2  # QK^T and PV over the causal context
-        total += 2 * h * spec.vocab_size * new_tokens
-    return total
+def run_single(ex, prompt: list[int], new_tokens: int) -> dict:
+    """One request alone: ms per output token after the first, and per step outside the forward."""
+    run_ours(ex, [prompt], 2)  # warm the shapes
+    t0 = time.perf_counter()
+    secs, _, st = run_ours(ex, [prompt], new_tokens)
+    return {
+        "single_tpot_ms": 1e3 * secs / max(1, new_tokens),
+        "single_outside_forward_ms_per_step": 1e3 * st["outside_forward_s"] / max(1, st["steps"]),
+        "single_wall_s": time.perf_counter() - t0,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -204,6 +187,7 @@ def main(argv: list[str]) -> int:
             from gpu.make_model import make_model
 
             make_model("qwen2", "bench", model_dir)
+    from actors.bench import compute
     from gpu.executor import Executor
     from gpu.loader import load_spec
 
@@ -221,8 +205,17 @@ def main(argv: list[str]) -> int:
         threads=a.threads,
     )
     run_ours(ex, workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
-    rate_before = gemm_rate(spec.hidden_size, spec.intermediate_size, ex.device, ex.dtype)
+    rate_before = compute.gemm_rate(ex)
+    prof = None
+    if a.profile is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU])
+        prof.__enter__()
     ours_s, ours_out, stats = run_ours(ex, prompts, a.new_tokens)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        compute.write_profile(prof, a.profile, f"minirt bench executor {' '.join(argv)}")
     n_out = sum(len(o) for o in ours_out)
     res: dict = {
         "model": str(model_dir),
@@ -246,18 +239,40 @@ def main(argv: list[str]) -> int:
         f"({stats['steps']:.0f} steps, {stats['outside_forward_s']:.2f}s outside forward, "
         f"{stats['cpu_s']:.1f}s CPU time)"
     )
-    dev, dt = ex.device, ex.dtype
-    del ex  # free our weights and KV before loading transformers' copy
+    res.update(run_single(ex, prompts[0], a.new_tokens))
+    print(
+        f"one alone:  {res['single_tpot_ms']:.2f} ms per output token, "
+        f"{res['single_outside_forward_ms_per_step']:.2f} ms per step outside the forward"
+    )
     # best of before and after our run: a shared machine makes any single reading low
-    rate = max(rate_before, gemm_rate(spec.hidden_size, spec.intermediate_size, dev, dt))
-    flops = workload_flops(spec, prompts, a.new_tokens)
+    rate = max(rate_before, compute.gemm_rate(ex))
+    res["gemm_path"] = compute.gemm_path(ex)
+    dev, dt = ex.device, ex.dtype
+    del ex  # free our weights and KV before loading anyone else's
+    flops = compute.workload_flops(spec, prompts, a.new_tokens)
     res["gemm_gflops"] = rate / 1e9
     res["workload_gflop"] = flops / 1e9
     res["compute_limit_pct"] = 100.0 * (flops / rate) / ours_s
     print(
-        f"compute:    {flops / 1e9:.1f} GFLOP at {rate / 1e9:.1f} GFLOP/s measured GEMM = "
-        f"{flops / rate:.2f}s floor -> {res['compute_limit_pct']:.1f}% of compute limit"
+        f"compute:    {flops / 1e9:.1f} GFLOP at {rate / 1e9:.1f} GFLOP/s ({res['gemm_path']}, "
+        f"the executor's GEMM) = {flops / rate:.2f}s floor -> "
+        f"{res['compute_limit_pct']:.1f}% of compute limit"
     )
+    if not a.skip_vllm and dev.type == "cpu":
+        from actors.bench.vllm_row import bench_row
+
+        res.update(
+            bench_row(
+                model_dir,
+                prompts,
+                a.new_tokens,
+                ours_out,
+                res["ours_tok_s"],
+                dtype=a.dtype,
+                max_model_len=spec.max_model_len,
+                max_num_batched_tokens=a.vllm_batched_tokens,
+            )
+        )
     pad = int(spec.hf_config.pad_token_id or 0)
     if not (a.skip_hf and a.skip_cb):
         from transformers import AutoModelForCausalLM

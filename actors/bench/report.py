@@ -59,7 +59,7 @@ def kv_timeline(events: list[dict[str, Any]], t0: float, t1: float) -> list[tupl
 
 
 def control_share(events: list[dict[str, Any]], t0: float, t1: float) -> dict[str, float]:
-    steps = [e for e in events if e.get("event") == "step" and t0 <= e.get("ts", 0) <= t1]
+    steps = [e for e in events if e.get("event") == "executor.step" and t0 <= e.get("ts", 0) <= t1]
     control = sum(e.get("control_s", 0.0) for e in steps)
     step = sum(e.get("step_s", 0.0) for e in steps)
     forward = sum(e.get("forward_s", 0.0) for e in steps)

@@ -12,6 +12,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from actors.runtime.config import KVConfig, SchedulerConfig
@@ -26,8 +27,16 @@ class _NullLog:
         return lambda *a, **k: None
 
 
-def measure(policy: str, waiting: int, running: int, decisions: int, seed: int = 0) -> float:
-    """Mean seconds per decision."""
+@dataclass(frozen=True)
+class Measurement:
+    seconds_per_decision: float  # mean, over the timed decisions
+    admitted: int  # requests admitted while timed (one per decision when the core keeps up)
+    running: int  # batch size at the end (the core should keep it full)
+    waiting: int  # queue length at the end (the bench keeps it at its size)
+
+
+def measure(policy: str, waiting: int, running: int, decisions: int, seed: int = 0) -> Measurement:
+    """Time ``decisions`` admission cycles; returns their mean cost and what they did."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(policy=policy, max_batch_size=running, max_waiting=waiting + running + 1)
     core = SchedulerCore(cfg, KVConfig(block_size=16), _NullLog(), time.monotonic)
@@ -70,6 +79,7 @@ def measure(policy: str, waiting: int, running: int, decisions: int, seed: int =
         len(core.queue),
     )
     running_ids = list(core.running)
+    admitted_before = core.counters["admitted"]
     t0 = time.perf_counter()
     for d in range(decisions):
         rid = running_ids[d]
@@ -92,7 +102,13 @@ def measure(policy: str, waiting: int, running: int, decisions: int, seed: int =
         running_ids.append(next(reversed(core.running)))
         submit(running + waiting + d)  # keep the queue at its size
         core.take_outbox()
-    return (time.perf_counter() - t0) / decisions
+    elapsed = time.perf_counter() - t0
+    return Measurement(
+        seconds_per_decision=elapsed / decisions,
+        admitted=core.counters["admitted"] - admitted_before,
+        running=len(core.running),
+        waiting=len(core.queue),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         cells = []
         for w in args.waiting:
-            us = measure(policy, w, args.running, args.decisions) * 1e6
+            us = measure(policy, w, args.running, args.decisions).seconds_per_decision * 1e6
             rows.append(
                 {"policy": policy, "waiting": w, "running": args.running, "us_per_decision": us}
             )

@@ -173,6 +173,14 @@ def compare_rows(
     ]
     dt = ex.dtype
     del ex
+    from actors.bench.vllm_row import bench_row  # vLLM CPU offline, its own venv and process
+
+    v = bench_row(model, prompts, new, outs, n / secs, max_model_len=spec.max_model_len)
+    rows.append(
+        {"run": "vLLM CPU offline LLM.generate", "throughput_tok_s": v["vllm_tok_s"]}
+        if "vllm_tok_s" in v
+        else {"run": f"vLLM skipped: {v['vllm_skipped'][-300:]}", "throughput_tok_s": 0.0}
+    )
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dt).eval()

@@ -1,10 +1,13 @@
 """KV manager library: block pool with ref counts, block-aligned radix prefix cache with LRU
-eviction, admission / growth / preemption decisions. Synchronous, no I/O, no torch."""
+eviction, admission / growth / preemption decisions (``KVManager``), the reservation and victim
+policies, and the actor's protocol-level core (``actors.kv.core.KVCore``). Synchronous, no I/O,
+no torch; ``actors.kv.actor`` is the only module with sockets."""
 
 from actors.kv.block_pool import BlockPool
 from actors.kv.errors import KVError, KVInvariantError
-from actors.kv.manager import KVManager, RequestState, ReserveMode
+from actors.kv.manager import KVManager, RequestState
 from actors.kv.radix_cache import PrefixMatch, RadixCache, RadixNode
+from actors.kv.reservation import ReserveMode, reserve_tokens
 from actors.kv.results import Admitted, Extended, KVStats, Refused, Shortage
 from actors.kv.victim import VictimPolicy, pick_victim
 
@@ -25,4 +28,5 @@ __all__ = [
     "Shortage",
     "VictimPolicy",
     "pick_victim",
+    "reserve_tokens",
 ]

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from actors.kv.block_pool import BlockPool
 from actors.kv.checks import check_manager
 from actors.kv.errors import KVError, KVInvariantError
 from actors.kv.radix_cache import RadixCache, RadixNode
+from actors.kv.reservation import RESERVE_MODES, ReserveMode, reserve_tokens
 from actors.kv.results import Admitted, Extended, KVStats, Refused, Shortage
 from actors.kv.victim import VictimPolicy, pick_victim
-
-ReserveMode = Literal["full", "on_demand"]
 
 
 @dataclass(slots=True)
@@ -50,8 +48,8 @@ class KVManager:
         mode: ReserveMode = "on_demand",
         lookahead_blocks: int = 1,
     ) -> None:
-        if mode not in ("full", "on_demand"):
-            raise KVError(f"unknown reservation mode {mode!r}")
+        if mode not in RESERVE_MODES:
+            raise KVError(f"unknown reservation mode {mode!r}; known: {list(RESERVE_MODES)}")
         if lookahead_blocks < 0:
             raise KVError(f"lookahead_blocks must be >= 0, got {lookahead_blocks}")
         self.pool = BlockPool(num_blocks)
@@ -70,17 +68,16 @@ class KVManager:
     # ---- queries -------------------------------------------------------------------------
 
     def reserve_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Tokens to pass as ``reserve_tokens`` (admit) or ``new_total_tokens`` (extend).
-
-        ``full``: ``prompt_len + max_tokens``. ``on_demand``: ``prompt_len`` plus
-        ``lookahead_blocks * block_size`` tokens, capped at ``prompt_len + max_tokens``. During
-        decode call ``extend(rid, reserve_for(tokens_so_far, tokens_still_allowed))``.
-        """
-        if prompt_len < 0 or max_tokens < 0:
-            raise KVError(f"negative lengths: prompt_len={prompt_len} max_tokens={max_tokens}")
-        if self.mode == "full":
-            return prompt_len + max_tokens
-        return prompt_len + min(max_tokens, self.lookahead_blocks * self.block_size)
+        """Tokens to pass as ``reserve_tokens`` (admit) or ``new_total_tokens`` (extend), by
+        this manager's mode (``actors.kv.reservation.reserve_tokens``). During decode call
+        ``extend(rid, reserve_for(tokens_so_far, tokens_still_allowed))``."""
+        return reserve_tokens(
+            self.mode,
+            prompt_len,
+            max_tokens,
+            lookahead_blocks=self.lookahead_blocks,
+            block_size=self.block_size,
+        )
 
     def peek_match(self, token_ids: Sequence[int]) -> int:
         """Cached token count ``admit`` would reuse; no allocation, no LRU touch."""
@@ -303,11 +300,8 @@ class KVManager:
         priorities: dict[str, int] | None = None,
         exclude: Collection[str] = (),
     ) -> str | None:
-        """Name the running request to preempt, or None if none is eligible. Pure.
-
-        ``newest``: the most recently admitted. ``priority``: the lowest value in
-        ``priorities`` (missing ids count as 0), ties broken by newest.
-        """
+        """Name the running request to preempt, or None if none is eligible. Pure: see
+        ``actors.kv.victim.pick_victim`` (``priority``: the lowest value goes first)."""
         seqs = {rid: req.seq for rid, req in self.requests.items()}
         return pick_victim(seqs, policy, priorities, exclude)
 

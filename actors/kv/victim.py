@@ -1,4 +1,8 @@
-"""Choosing the running request to preempt when decode growth finds no block."""
+"""Choosing the running request to preempt: the one copy of the victim policy.
+
+Used by the scheduler (a decode-time shortage, and priority preemption) and by
+``KVManager.pick_victim``. Pure.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Literal
 from actors.kv.errors import KVError
 
 VictimPolicy = Literal["newest", "priority"]
+VICTIM_POLICIES: tuple[VictimPolicy, ...] = ("newest", "priority")
 
 
 def pick_victim(
@@ -19,11 +24,13 @@ def pick_victim(
     """The request to preempt among ``seqs`` (request id -> admission sequence number), or None.
 
     ``newest``: the highest sequence number. ``priority``: the lowest value in ``priorities``
-    (missing ids count as 0), ties broken by newest. Ids in ``exclude`` are skipped. Pure;
-    raises ``KVError`` for an unknown policy. O(running requests).
+    (missing ids count as 0), ties broken by newest. The values are a *keep rank*: the lowest is
+    given up first. A request's ``priority`` field means the opposite (lower is more important,
+    as vLLM), so the scheduler passes ``-priority``: the least important request is preempted.
+    Ids in ``exclude`` are skipped. Raises ``KVError`` for an unknown policy. O(running requests).
     """
-    if policy not in ("newest", "priority"):
-        raise KVError(f"unknown victim policy {policy!r}")
+    if policy not in VICTIM_POLICIES:
+        raise KVError(f"unknown victim policy {policy!r}; known: {list(VICTIM_POLICIES)}")
     prio = priorities or {}
     best: str | None = None
     best_key = (0, 0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.eventlog import read_events
+from actors.eventlog import is_request, read_events
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Runtime:
             e
             for e in read_events(self.run_dir)
             if (name is None or e.get("event") == name)
-            and (request_id is None or e.get("request_id") == request_id)
+            and (request_id is None or is_request(e.get("request_id"), request_id))
         ]
 
     def pid_of(self, actor: str) -> int:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ def prepare(cfg: RuntimeConfig) -> Path:
     if not cfg.model:
         cfg.model = str(builtin_model())
     cfg.resolve()
-    from gpu.actor import resolve_num_blocks
+    from gpu.kv_cache import resolve_num_blocks
 
     cfg.kv.num_blocks = resolve_num_blocks(cfg)
     run = Path(cfg.run_dir)
@@ -96,7 +95,7 @@ class Supervisor:
             async with trio.open_nursery() as nursery:
                 for child in self.children.values():
                     await child.start()
-                    self.log.info("supervisor.started", child=child.name, pid=child.proc.pid)
+                    self.log.info("supervisor.child_started", child=child.name, pid=child.proc.pid)
                 async with trio.open_nursery() as waits:
                     waits.start_soon(self._fail_fast)
                     for name in ACTORS:
@@ -148,18 +147,23 @@ class Supervisor:
             # so its successor never receives messages meant for it.
             await trio.sleep(min(max(2.0, 0.5 * 2**child.restarts), 10.0))
             await child.start()
-            self.log.info("supervisor.restarted", child=child.name, pid=child.proc.pid)
+            self.log.info(
+                "supervisor.child_restarted",
+                child=child.name,
+                pid=child.proc.pid,
+                restarts=child.restarts,
+            )
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every child, wait up to ``grace`` seconds, then SIGKILL what is left."""
         self.stopping = True
         for child in self.children.values():
             child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        deadline = trio.current_time() + grace
         for child in self.children.values():
             if child.proc is None:
                 continue
-            with trio.move_on_at(trio.current_time() + max(0.0, deadline - time.monotonic())):
+            with trio.move_on_at(deadline):
                 await child.proc.wait()
             if child.proc.returncode is None:
                 child.signal(signal.SIGKILL)

@@ -11,8 +11,8 @@ the loop, so a handler never waits on a peer.
 from __future__ import annotations
 
 import os
-import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -21,9 +21,9 @@ import zmq
 
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.events import get_logger
-from actors.runtime.liveness import Peer, set_immediate
+from actors.runtime.liveness import Change, Kind, Liveness
 from actors.runtime.outbox import Outbox
-from actors.runtime.transport import ZSocket, open_socket
+from actors.runtime.transport import ZSocket, open_socket, set_immediate
 from messages.codec import BadFrame, Decoder, encode
 from messages.common import (
     PROTOCOL_VERSION,
@@ -52,7 +52,7 @@ class Actor:
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.decoder: Decoder[Any] = Decoder(self.inbound)
         self.inbox: ZSocket | None = None
-        self.out: dict[str, Peer] = {}
+        self.out: dict[str, ZSocket] = {}  # one DEALER per peer
         self.curve: Any = None
         self.authenticator: Any = None
         base_replies: Any = HelloAck | Pong | ErrorReply
@@ -61,7 +61,10 @@ class Actor:
         )
         self.outbox: Outbox[str] = Outbox(self._send_to_peer)
         self.hb = cfg.heartbeat_s
-        self.down: set[str] = set()  # peers declared dead and not back yet
+        self.liveness = Liveness(
+            (p for p in self.peers if p != self.name), self.hb, self.dead_after
+        )
+        self.peer_ready: dict[str, bool] = {}  # each peer's last Pong: does it take work?
 
     # ------------------------------------------------------------------ setup
     def socket(self, kind: int, bind: str | None = None, connect: tuple[str, ...] = ()) -> ZSocket:
@@ -89,12 +92,12 @@ class Actor:
                 continue
             sock = self.socket(zmq.DEALER, connect=(self.cfg.endpoints.of(peer),))
             set_immediate(sock)
-            self.out[peer] = Peer(peer, sock)
+            self.out[peer] = sock
             self.send(peer, Hello(actor=self.name, version=PROTOCOL_VERSION, pid=os.getpid()))
 
     def close(self) -> None:
-        for p in self.out.values():
-            p.sock.close()
+        for sock in self.out.values():
+            sock.close()
         if self.inbox is not None:
             self.inbox.close()
         if self.authenticator is not None:
@@ -111,8 +114,8 @@ class Actor:
         )
         try:
             async with trio.open_nursery() as nursery:
-                for peer in self.out.values():
-                    nursery.start_soon(self._read_peer, peer)
+                for peer, sock in self.out.items():
+                    nursery.start_soon(self._read_peer, peer, sock)
                 nursery.start_soon(self.outbox.run)
                 nursery.start_soon(self._heartbeat)
                 await self.start_tasks(nursery)
@@ -146,19 +149,39 @@ class Actor:
         return n
 
     def _dispatch(self, frames: list[bytes]) -> None:
+        self.dispatch(frames, self.decoder, self.reply, self._on_hello, self.handle)
+
+    def dispatch(
+        self,
+        frames: list[bytes],
+        decoder: Decoder[Any],
+        reply: Callable[[bytes, msgspec.Struct], None],
+        on_hello: Callable[[bytes, Hello], None],
+        handle: Callable[[bytes, Any], None],
+        socket: str = "inbox",
+    ) -> None:
+        """One frame from a ROUTER: check the framing, decode it, answer ``Ping``, pass ``Hello``
+        to ``on_hello`` and anything else to ``handle``. A bad frame or a handler bug is answered
+        with an ``ErrorReply`` through ``reply``. Used by the inbox and by the tokenizer's client
+        endpoint (which answers ``Hello`` with a ``Welcome`` and replies through its outbox)."""
         ident = frames[0]
         if len(frames) != 2:
-            self.protocol_error(ident, f"expected 1 payload frame, got {len(frames) - 1}")
+            self.protocol_error(
+                ident,
+                f"expected 1 payload frame, got {len(frames) - 1}",
+                reply=reply,
+                socket=socket,
+            )
             return
         try:
-            msg = self.decoder.decode(frames[1])
+            msg = decoder.decode(frames[1])
         except BadFrame as e:
-            self.protocol_error(ident, str(e), e.field)
+            self.protocol_error(ident, str(e), e.field, e.request_id, reply=reply, socket=socket)
             return
         if isinstance(msg, Hello):
-            self._on_hello(ident, msg)
+            on_hello(ident, msg)
         elif isinstance(msg, Ping):
-            self.reply(
+            reply(
                 ident,
                 Pong(
                     actor=self.name,
@@ -170,14 +193,14 @@ class Actor:
             )
         else:
             try:
-                self.handle(ident, msg)
+                handle(ident, msg)
             except Exception as e:  # a handler bug must not kill the actor
                 self.log.exception(
                     "actor.handler_error",
                     message_type=type(msg).__name__,
                     request_id=getattr(msg, "request_id", None),
                 )
-                self.reply(
+                reply(
                     ident,
                     ErrorReply(
                         code=ErrorCode.INTERNAL,
@@ -186,10 +209,19 @@ class Actor:
                     ),
                 )
 
+    def version_refusal(self, msg: Hello, socket: str = "inbox") -> str:
+        """Why ``msg``'s protocol version is refused (logged as ``protocol.error``), or ""."""
+        if msg.version == PROTOCOL_VERSION:
+            return ""
+        reason = f"protocol version {msg.version} not supported; this {self.name} speaks {PROTOCOL_VERSION}"
+        self.log.error(
+            "protocol.error", peer=msg.actor, reason=reason, code=ErrorCode.VERSION, socket=socket
+        )
+        return reason
+
     def _on_hello(self, ident: bytes, msg: Hello) -> None:
-        if msg.version != PROTOCOL_VERSION:
-            reason = f"protocol version {msg.version} not supported; this {self.name} speaks {PROTOCOL_VERSION}"
-            self.log.error("protocol.error", peer=msg.actor, reason=reason, code=ErrorCode.VERSION)
+        reason = self.version_refusal(msg)
+        if reason:
             self.reply(
                 ident, HelloAck(actor=self.name, version=PROTOCOL_VERSION, ok=False, reason=reason)
             )
@@ -204,76 +236,91 @@ class Actor:
     def handle(self, ident: bytes, msg: Any) -> None:
         raise NotImplementedError
 
-    def protocol_error(self, ident: bytes, message: str, field: str | None = None) -> None:
-        self.log.warning("protocol.error", reason=message, field=field)
-        self.reply(ident, ErrorReply(code=ErrorCode.BAD_FRAME, message=message, field=field))
+    def protocol_error(
+        self,
+        ident: bytes,
+        message: str,
+        field: str | None = None,
+        request_id: str | None = None,
+        reply: Callable[[bytes, msgspec.Struct], None] | None = None,
+        socket: str = "inbox",
+    ) -> None:
+        self.log.warning(
+            "protocol.error", reason=message, field=field, request_id=request_id, socket=socket
+        )
+        (reply or self.reply)(
+            ident,
+            ErrorReply(
+                code=ErrorCode.BAD_FRAME, message=message, field=field, request_id=request_id
+            ),
+        )
 
-    async def _read_peer(self, peer: Peer) -> None:
+    async def _read_peer(self, peer: str, sock: ZSocket) -> None:
         """Read what a peer sends back on our DEALER: hello acks, pongs, errors."""
         while True:
-            frames = await peer.sock.recv()
+            frames = await sock.recv()
             try:
                 msg = self._reply_decoder.decode(frames[-1])
             except BadFrame as e:
-                self.log.warning("protocol.error", peer=peer.name, reason=str(e))
+                self.log.warning("protocol.error", peer=peer, reason=str(e))
                 continue
             if isinstance(msg, Pong):
-                change = peer.heard(msg.boot_id)
-                if change == "restarted":
-                    self._peer_died(peer, f"{peer.name} restarted (new boot id {msg.boot_id})")
-                    peer.heard(msg.boot_id)
-                    change = "back"
-                if change == "back":
-                    was_down = peer.name in self.down
-                    self.down.discard(peer.name)
-                    self.log.info(
-                        "peer.alive", peer=peer.name, peer_pid=msg.pid, boot_id=msg.boot_id
-                    )
-                    if was_down:
-                        self.on_peer_back(peer.name)
+                self.peer_ready[peer] = msg.ready
+                change = self.liveness.pong(peer, msg.boot_id)
+                if change is not None:
+                    self._peer_changed(change, msg.pid)
             elif isinstance(msg, HelloAck):
                 if not msg.ok:
                     self.log.error(
-                        "protocol.error", peer=peer.name, reason=msg.reason, code=ErrorCode.VERSION
+                        "protocol.error", peer=peer, reason=msg.reason, code=ErrorCode.VERSION
                     )
-                    raise SystemExit(f"{peer.name} refused the handshake: {msg.reason}")
-                self.log.info("peer.ready", peer=peer.name)
+                    raise SystemExit(f"{peer} refused the handshake: {msg.reason}")
+                self.log.info("peer.ready", peer=peer)
             elif isinstance(msg, ErrorReply):
                 self.log.warning(
                     "peer.error",
-                    peer=peer.name,
+                    peer=peer,
                     code=msg.code,
                     reason=msg.message,
                     request_id=msg.request_id,
                 )
             else:
-                self.on_peer_reply(peer.name, msg)
+                self.on_peer_reply(peer, msg)
 
     def on_peer_reply(self, peer: str, msg: Any) -> None:
         """Hook: a reply of one of ``replies``' types from ``peer``."""
 
     async def _heartbeat(self) -> None:
-        """Ping every peer each ``heartbeat_s``; declare dead the ones silent for too long."""
+        """Ping every peer each ``heartbeat_s``; then act on the ones silent for too long."""
+        nonce = 0
         while True:
-            for peer in self.out.values():
-                peer.nonce += 1
+            nonce += 1
+            ping = encode(Ping(nonce=nonce))
+            for sock in self.out.values():
                 try:
-                    peer.sock.send_nowait([encode(Ping(nonce=peer.nonce))])
+                    sock.send_nowait([ping])
                 except zmq.ZMQError:
                     pass
             await trio.sleep(self.hb)
-            now = time.monotonic()
-            for peer in self.out.values():
-                if peer.overdue(now, self.hb * self.dead_after):
-                    silent = now - peer.last_seen
-                    self._peer_died(peer, f"{peer.name} died (no heartbeat for {silent:.1f}s)")
+            for change in self.liveness.check():
+                self._peer_changed(change)
 
-    def _peer_died(self, peer: Peer, reason: str) -> None:
-        peer.mark_dead()
-        self.outbox.drop(peer.name)  # never deliver stale messages to a successor
-        self.down.add(peer.name)
-        self.log.error("peer.dead", peer=peer.name, reason=reason)
-        self.on_peer_dead(peer.name, reason)
+    def _peer_changed(self, change: Change, pid: int = 0) -> None:
+        """Act on what ``self.liveness`` noticed: a restart is a death followed by a return."""
+        peer = change.peer
+        if change.kind in (Kind.DIED, Kind.RESTARTED):
+            self.outbox.drop(peer)  # never deliver stale messages to a successor
+            self.log.error("peer.dead", peer=peer, reason=change.reason)
+            self.on_peer_dead(peer, change.reason)
+        if change.kind is not Kind.DIED:
+            self.log.info("peer.alive", peer=peer, peer_pid=pid, boot_id=change.boot_id)
+        if change.kind in (Kind.BACK, Kind.RESTARTED):
+            self.on_peer_back(peer)
+
+    @property
+    def down(self) -> frozenset[str]:
+        """Peers declared dead and not back yet."""
+        return self.liveness.down
 
     def is_ready(self) -> bool:
         """Whether this actor takes work now (answered in every Pong)."""
@@ -292,7 +339,7 @@ class Actor:
         self.outbox.send(peer, encode(msg))
 
     def _send_to_peer(self, peer: str, data: bytes) -> bool:
-        return self.out[peer].sock.send_nowait([data])
+        return self.out[peer].send_nowait([data])
 
     def reply(self, ident: bytes, msg: msgspec.Struct) -> None:
         """Answer the sender of a frame on the inbox connection (dropped if it is gone)."""
@@ -300,4 +347,4 @@ class Actor:
         try:
             self.inbox.send_nowait([ident, encode(msg)])
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer disconnected
-            self.log.info("reply.dropped", reason=str(e), message_type=type(msg).__name__)
+            self.log.info("actor.reply_dropped", reason=str(e), message_type=type(msg).__name__)

@@ -1,7 +1,13 @@
-"""Runtime configuration: endpoints, model, KV pool, budgets. From defaults, a TOML file and flags.
+"""Runtime configuration: endpoints, model, KV pool, budgets. From defaults, a TOML file, the
+environment and flags, all derived from the dataclasses below.
 
-A TOML file mirrors the dataclass: top-level keys for ``RuntimeConfig`` and tables ``[endpoints]``,
-``[kv]``, ``[scheduler]``, ``[executor]`` for the sub-configs.
+A TOML file mirrors the dataclasses: top-level keys for ``RuntimeConfig`` and one table per
+section (``[endpoints]``, ``[kv]``, ``[scheduler]``, ``[executor]``, ``[security]``). Every field
+is also a command-line flag and a ``MINIRT_*`` environment variable (``options()``): the flag is
+the field's name with dashes (``kv.num_blocks`` is ``--num-blocks``) unless its metadata names
+another, and the variable is the flag in capitals (``MINIRT_NUM_BLOCKS``). Adding a field, or a
+section (a dataclass-typed field of ``RuntimeConfig``), is all it takes to get both; its
+``metadata=doc(...)`` gives the help text and, where the type does not, the allowed values.
 """
 
 from __future__ import annotations
@@ -14,18 +20,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from actors.runtime.options import Option, doc, options_of
+
 ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")
+
+
+def scheduler_policies() -> list[str]:
+    """The waiting-queue policies, as the scheduler defines them (a light, pure module)."""
+    from actors.scheduler.queue import POLICIES
+
+    return sorted(POLICIES)
+
+
+def _endpoint(name: str) -> Any:
+    return field(
+        default="", metadata=doc(f"{name} endpoint (ipc:// or tcp://)", flag=f"{name}-endpoint")
+    )
 
 
 @dataclass
 class Endpoints:
     """ZeroMQ endpoints. Empty means ``ipc://RUN_DIR/sock/NAME`` (set by ``resolve``)."""
 
-    client: str = ""
-    tokenizer: str = ""
-    scheduler: str = ""
-    kv_manager: str = ""
-    executor: str = ""
+    client: str = _endpoint("client")
+    tokenizer: str = _endpoint("tokenizer")
+    scheduler: str = _endpoint("scheduler")
+    kv_manager: str = _endpoint("kv_manager")
+    executor: str = _endpoint("executor")
 
     def of(self, actor: str) -> str:
         return str(getattr(self, actor))
@@ -33,56 +54,108 @@ class Endpoints:
 
 @dataclass
 class KVConfig:
-    num_blocks: int | None = None  # None: derive from kv_memory
-    kv_memory: float | None = None  # bytes if > 1, else fraction of free memory; None: default
-    block_size: int = 16
-    mode: Literal["full", "on_demand"] = "on_demand"
-    lookahead_blocks: int = 1
-    victim_policy: Literal["newest", "priority"] = "newest"
+    num_blocks: int | None = field(
+        default=None, metadata=doc("KV pool size in blocks (default: derived from --kv-memory)")
+    )
+    kv_memory: float | None = field(
+        default=None, metadata=doc("KV pool: bytes if > 1, else fraction of free memory")
+    )
+    block_size: int = field(default=16, metadata=doc("tokens per KV block"))
+    mode: Literal["full", "on_demand"] = field(
+        default="on_demand",
+        metadata=doc("reserve a request's blocks up front (full) or as it grows", flag="kv-mode"),
+    )
+    lookahead_blocks: int = field(
+        default=1, metadata=doc("on_demand: blocks reserved ahead of a growing request")
+    )
+    victim_policy: Literal["newest", "priority"] = field(
+        default="newest", metadata=doc("which running request is preempted first")
+    )
 
 
 @dataclass
 class SchedulerConfig:
-    policy: str = "fcfs"  # fcfs | priority | sjf | lpm
-    max_batch_size: int = 256
-    max_waiting: int = 4096  # past this, new requests are answered "overloaded" at once
-    max_preemptions: int = 3  # past this, re-admit with a full reservation (no more thrash)
-    max_wait_s: float = 60.0  # aging: a request waiting longer goes first, whatever the policy
-    priority_preemption: bool = False  # priority policy: may preempt running lower-priority work
-    prefix_defer_tokens: int = 64  # hold back requests sharing this many prompt tokens with one
-    # being prefilled until that prefill is done, so they hit the cache (0: off)
-    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:PORT (0: any free port)
+    policy: str = field(
+        default="fcfs", metadata=doc("admission policy", choices=scheduler_policies)
+    )
+    max_batch_size: int = field(default=256, metadata=doc("running requests, at most"))
+    max_waiting: int = field(
+        default=4096, metadata=doc("waiting requests; past this, new ones are answered overloaded")
+    )
+    max_preemptions: int = field(
+        default=3, metadata=doc("past this, re-admit with a full reservation (no more thrash)")
+    )
+    max_wait_s: float = field(
+        default=60.0, metadata=doc("aging bound: a request waiting longer goes first")
+    )
+    priority_preemption: bool = field(
+        default=False, metadata=doc("priority policy: may preempt running lower-priority work")
+    )
+    prefix_defer_tokens: int = field(
+        default=64,
+        metadata=doc(
+            "hold back requests sharing this many prompt tokens with one being prefilled until "
+            "that prefill is done, so they hit the cache (0: off)"
+        ),
+    )
+    metrics_port: int | None = field(
+        default=None, metadata=doc("Prometheus /metrics on 127.0.0.1:PORT (0: any free port)")
+    )
 
 
 @dataclass
 class ExecutorConfig:
-    chunk_cap: int = 1024  # max prefill tokens per request per step
-    step_budget: int = 8192  # max tokens (prefill + decode) per step
-    long_prefill_threshold: int = 0  # prompts longer than this are "long" (0: no limit)
-    max_long_prefills: int = 1  # long prompts prefilling in the same step, at most
-    decode_first: bool = True  # schedule decodes before prefill chunks in each step
-    dtype: str | None = None
-    device: str | None = None
-    threads: int | None = None
+    chunk_cap: int = field(default=1024, metadata=doc("max prefill tokens per request per step"))
+    step_budget: int = field(default=8192, metadata=doc("max tokens (prefill + decode) per step"))
+    long_prefill_threshold: int = field(
+        default=0, metadata=doc("prompts longer than this are long (0: no limit)")
+    )
+    max_long_prefills: int = field(
+        default=1, metadata=doc("long prompts prefilling in the same step, at most")
+    )
+    decode_first: bool = field(
+        default=True,
+        metadata=doc(
+            "schedule decodes before prefill chunks in each step",
+            off_flag="prefill-first",
+            off_help="schedule prefill chunks before decodes in each step",
+        ),
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata=doc("weights and activations", choices=("float32", "bfloat16", "float16")),
+    )
+    device: str | None = field(default=None, metadata=doc("torch device (cpu, cuda, cuda:1...)"))
+    threads: int | None = field(default=None, metadata=doc("torch threads (default: all cores)"))
 
 
 @dataclass
 class SecurityConfig:
-    curve_dir: str = ""  # CURVE keys from `minirt keys DIR`: encrypt and authenticate every socket
-    allow_remote: bool = False  # permit binding non-loopback tcp addresses (requires curve_dir)
+    curve_dir: str = field(
+        default="",
+        metadata=doc("CURVE keys from `minirt keys DIR`: encrypt and authenticate every socket"),
+    )
+    allow_remote: bool = field(
+        default=False,
+        metadata=doc("permit binding non-loopback tcp addresses (requires --curve-dir)"),
+    )
 
 
 @dataclass
 class RuntimeConfig:
-    model: str = ""
-    run_dir: str = ".minirt"
+    model: str = field(
+        default="", metadata=doc("model directory (HF layout); default: built-in tiny model")
+    )
+    run_dir: str = field(default=".minirt", metadata=doc("sockets, events and logs go here"))
     endpoints: Endpoints = field(default_factory=Endpoints)
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
-    max_msg_size: int = 64 * 1024 * 1024
-    heartbeat_s: float = 0.5
+    max_msg_size: int = field(default=64 * 1024 * 1024, metadata=doc("largest frame, in bytes"))
+    heartbeat_s: float = field(
+        default=0.5, metadata=doc("ping peers this often; 3 silent heartbeats mean dead")
+    )
 
     def resolve(self) -> RuntimeConfig:
         """Fill empty endpoints with ipc sockets under the run dir; make the run dir absolute."""
@@ -109,7 +182,12 @@ class RuntimeConfig:
         Path(path).write_text(self.to_json())
 
 
-def _merge(obj: Any, data: dict[str, Any], where: str) -> None:
+def options() -> list[Option]:
+    """Every setting of ``RuntimeConfig``, with its flag and environment name."""
+    return options_of(RuntimeConfig)
+
+
+def _merge(obj: Any, data: dict[str, Any], where: str, by_key: dict[str, Option]) -> None:
     names = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in data.items():
         if key not in names:
@@ -118,57 +196,42 @@ def _merge(obj: Any, data: dict[str, Any], where: str) -> None:
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ValueError(f"config key {where}{key!r} must be a table")
-            _merge(current, value, f"{where}{key}.")
+            _merge(current, value, f"{where}{key}.", by_key)
         else:
+            by_key[f"{where}{key}"].check(value)
             setattr(obj, key, value)
 
 
-ENV_PREFIX = "MINIRT_"
-
-
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Settings from the environment (how compose configures each container):
-    ``MINIRT_MODEL``, ``MINIRT_RUN_DIR``, ``MINIRT_NUM_BLOCKS``, ``MINIRT_KV_MODE``,
-    ``MINIRT_BLOCK_SIZE`` and ``MINIRT_<ACTOR>_ENDPOINT`` for client, tokenizer, scheduler,
-    kv_manager and executor."""
+    """Settings from ``MINIRT_*`` environment variables (how compose configures each container),
+    as a nested dict; an empty variable counts as unset."""
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
-    if env.get("MINIRT_MODEL"):
-        out["model"] = env["MINIRT_MODEL"]
-    if env.get("MINIRT_RUN_DIR"):
-        out["run_dir"] = env["MINIRT_RUN_DIR"]
-    kv: dict[str, Any] = {}
-    if env.get("MINIRT_NUM_BLOCKS"):
-        kv["num_blocks"] = int(env["MINIRT_NUM_BLOCKS"])
-    if env.get("MINIRT_KV_MODE"):
-        kv["mode"] = env["MINIRT_KV_MODE"]
-    if env.get("MINIRT_BLOCK_SIZE"):
-        kv["block_size"] = int(env["MINIRT_BLOCK_SIZE"])
-    if kv:
-        out["kv"] = kv
-    if env.get("MINIRT_CURVE_DIR"):
-        out["security"] = {"curve_dir": env["MINIRT_CURVE_DIR"]}
-    eps = {
-        n: env[f"MINIRT_{n.upper()}_ENDPOINT"]
-        for n in ("client", *ACTORS)
-        if env.get(f"MINIRT_{n.upper()}_ENDPOINT")
-    }
-    if eps:
-        out["endpoints"] = eps
+    for opt in options():
+        text = env.get(opt.env, "")
+        if text:
+            opt.put(out, opt.parse(text, opt.env))
     return out
 
 
-def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RuntimeConfig:
+def load(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> RuntimeConfig:
     """Defaults, then the TOML (or JSON) file at ``path``, then ``MINIRT_*`` environment
-    variables, then ``overrides`` (nested dict, from command-line flags)."""
+    variables (of ``environ``, default ``os.environ``), then ``overrides`` (nested dict, from
+    command-line flags). A value of the wrong type or not among a field's choices raises
+    ``ValueError`` naming the field."""
     cfg = RuntimeConfig()
+    by_key = {opt.key: opt for opt in options()}
     if path is not None:
         text = Path(path).read_text()
         data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-        _merge(cfg, data, "")
-    env = env_overrides()
+        _merge(cfg, data, "", by_key)
+    env = env_overrides(environ)
     if env:
-        _merge(cfg, env, "")
+        _merge(cfg, env, "", by_key)
     if overrides:
-        _merge(cfg, overrides, "")
+        _merge(cfg, overrides, "", by_key)
     return cfg

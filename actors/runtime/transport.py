@@ -176,3 +176,9 @@ def open_socket(
     for addr in connect:
         sock.connect(addr)
     return ZSocket(sock, send_timeout=send_timeout)
+
+
+def set_immediate(sock: ZSocket) -> None:
+    """Queue nothing for a peer that is not connected (ZMQ_IMMEDIATE): a restarted peer never
+    receives messages meant for the process it replaced."""
+    sock.sock.setsockopt(zmq.IMMEDIATE, 1)

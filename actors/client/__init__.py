@@ -1,0 +1,33 @@
+"""Python client for minirt (sync and trio async). The CLI uses it; so can you.
+
+async with open_client("ipc://.minirt/sock/client") as c:
+    result = await c.generate(prompt="hello", max_tokens=16)
+    async for delta in c.stream(prompt="hello"): ...
+
+with SyncClient(endpoint) as c:
+    for msg in c.stream(prompt="hello"): ...
+"""
+
+from actors.client.aio import AsyncClient, connect, open_client
+from actors.client.core import (
+    READY_POLL_S,
+    READY_TIMEOUT_S,
+    RequestError,
+    Result,
+    ServerWatch,
+    build_generate,
+)
+from actors.client.sync import SyncClient
+
+__all__ = [
+    "READY_POLL_S",
+    "READY_TIMEOUT_S",
+    "AsyncClient",
+    "RequestError",
+    "Result",
+    "ServerWatch",
+    "SyncClient",
+    "build_generate",
+    "connect",
+    "open_client",
+]

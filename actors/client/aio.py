@@ -1,0 +1,180 @@
+"""The trio client: one connection, many concurrent requests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+import zmq
+
+from actors.client.core import (
+    READY_POLL_S,
+    READY_TIMEOUT_S,
+    Result,
+    ServerWatch,
+    build_generate,
+    ends_stream,
+)
+from actors.runtime.security import CurveKeys
+from actors.runtime.transport import ZSocket, open_socket
+from messages import client as cm
+from messages.codec import Decoder, encode
+from messages.common import ErrorReply, HelloAck, Pong
+from messages.tokenizer import Cancel, Generate
+
+
+def connect(endpoint: str, curve_dir: str | None = None) -> ZSocket:
+    """A DEALER to the client endpoint with the runtime's socket defaults; ``curve_dir`` holds
+    keys from ``minirt keys`` when the server requires CURVE."""
+    curve = CurveKeys.load(curve_dir) if curve_dir else None
+    return open_socket(zmq.Context.instance(), zmq.DEALER, connect=[endpoint], curve=curve)
+
+
+class AsyncClient:
+    """One DEALER connection; many concurrent requests, demultiplexed by request id."""
+
+    def __init__(self, sock: ZSocket) -> None:
+        self.sock = sock
+        self.watch = ServerWatch()
+        self._decoder: Decoder[Any] = Decoder(cm.ClientInbound)
+        self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
+        self._control: trio.MemorySendChannel[Any]
+        self._control_recv: trio.MemoryReceiveChannel[Any]
+        self._control, self._control_recv = trio.open_memory_channel(64)
+
+    @property
+    def welcome(self) -> cm.Welcome | None:
+        return self.watch.welcome
+
+    async def _reader(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv()
+            except (zmq.ZMQError, trio.ClosedResourceError):
+                if self.sock.closed:
+                    return  # close() was called: the connection is gone on purpose
+                raise
+            msg = self._decoder.decode(frames[-1])
+            lost = self.watch.heard(msg, trio.current_time())
+            if lost:
+                await self._fail_all(lost)
+            if isinstance(msg, Pong):
+                continue
+            rid = getattr(msg, "request_id", None)
+            if rid is not None and rid in self._streams:
+                chan = self._streams[rid]
+                await chan.send(msg)
+                if isinstance(msg, (cm.Final, ErrorReply)):
+                    # only if still this stream's: during the send above the caller may have
+                    # ended it and started a new request under the same id
+                    if self._streams.get(rid) is chan:
+                        del self._streams[rid]
+                    await chan.aclose()
+            elif isinstance(msg, (cm.Welcome, HelloAck)) or (
+                isinstance(msg, ErrorReply) and rid is None
+            ):
+                await self._control.send(msg)
+            # late messages of finished requests are ignored
+
+    async def _fail_all(self, reason: str) -> None:
+        for rid, chan in list(self._streams.items()):
+            self._streams.pop(rid, None)
+            await chan.send(self.watch.lost(reason, rid))
+            await chan.aclose()
+
+    async def _watchdog(self) -> None:
+        """While requests are open, ping the server; fail them all if it stops answering."""
+        while True:
+            await trio.sleep(self.watch.probe_s)
+            if not self._streams or self.sock.closed:
+                continue
+            lost = self.watch.silence(trio.current_time())
+            if lost:
+                await self._fail_all(lost)
+                continue
+            try:
+                self.sock.send_nowait([self.watch.ping()])
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        """Drop the connection now; the server aborts this connection's requests."""
+        self.sock.close()
+
+    async def hello(self, ready_timeout: float = READY_TIMEOUT_S) -> cm.Welcome:
+        """Handshake, then wait until the runtime serves: while ``Welcome.ready`` is false, say
+        ``hello`` again every ``READY_POLL_S``; ``TimeoutError`` after ``ready_timeout`` s."""
+        with trio.move_on_after(ready_timeout):
+            while True:
+                await self.sock.send([self.watch.hello()])
+                if self.watch.welcomed(await self._control_recv.receive()):
+                    assert self.watch.welcome is not None
+                    return self.watch.welcome
+                await trio.sleep(READY_POLL_S)
+        raise self.watch.not_ready(ready_timeout)
+
+    async def stream(self, request: Generate | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        """Yield the server's messages for one request (Accepted, Delta..., Final).
+        Raises ``RequestError`` on an error reply. Cancelling the iteration cancels the request."""
+        req = request or build_generate(**kwargs)
+        send, recv = trio.open_memory_channel[Any](1024)
+        self._streams[req.request_id] = send
+        self.watch.opened(trio.current_time())
+        done = False
+        try:
+            await self.sock.send([encode(req)])
+            async for msg in recv:
+                done = isinstance(msg, (ErrorReply, cm.Final))
+                if ends_stream(msg):
+                    yield msg
+                    return
+                yield msg
+        finally:
+            self.watch.closed()
+            self._streams.pop(req.request_id, None)
+            if not done:
+                with trio.CancelScope(shield=True):
+                    await self.cancel(req.request_id)
+
+    async def generate(self, request: Generate | None = None, **kwargs: Any) -> Result:
+        """Run one request to completion and return its ``Result``."""
+        req = request or build_generate(**kwargs)
+        result = Result(req.request_id)
+        async for msg in self.stream(req):
+            if result.apply(msg):
+                break
+        return result
+
+    async def cancel(self, request_id: str) -> None:
+        if not self.sock.closed:  # a closed connection already aborts its requests server-side
+            await self.sock.send([encode(Cancel(request_id=request_id))])
+
+
+@asynccontextmanager
+async def open_client(
+    endpoint: str,
+    handshake: bool = True,
+    curve_dir: str | None = None,
+    ready_timeout: float = READY_TIMEOUT_S,
+) -> AsyncIterator[AsyncClient]:
+    """Connect to the client endpoint; ``curve_dir`` holds keys from ``minirt keys`` when the
+    server requires CURVE. The handshake waits (up to ``ready_timeout`` s) until it serves."""
+    sock = connect(endpoint, curve_dir)
+    client = AsyncClient(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client._reader)
+            nursery.start_soon(client._watchdog)
+            if handshake:
+                await client.hello(ready_timeout)
+            yield client
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # Give the caller the error its own code raised, not a nursery's wrapper.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    finally:
+        sock.close()

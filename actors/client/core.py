@@ -1,0 +1,167 @@
+"""What both clients share, with no socket: request errors, results, the ``generate`` message,
+and ``ServerWatch`` (handshake, restart and silence detection)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from messages import client as cm
+from messages.codec import encode
+from messages.common import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    Ping,
+    Pong,
+    SamplingParams,
+)
+from messages.tokenizer import ChatMessage, Generate
+
+READY_TIMEOUT_S = 60.0  # how long a handshake waits for a runtime that does not serve yet
+READY_POLL_S = 0.1
+
+
+class RequestError(RuntimeError):
+    """The server refused or failed a request. ``code`` and ``field`` say why."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        where = f" ({reply.field})" if reply.field else ""
+        super().__init__(f"{reply.code}{where}: {reply.message}")
+        self.code = str(reply.code)
+        self.field = reply.field
+        self.request_id = reply.request_id
+
+
+@dataclass
+class Result:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+    preemptions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def apply(self, msg: Any) -> bool:
+        """Fold one server message of this request in; True when it ends the request. Raises
+        ``RequestError`` for an error reply."""
+        if isinstance(msg, cm.Delta):
+            self.text += msg.text
+            self.token_ids.extend(msg.token_ids)
+            if msg.logprobs:
+                self.logprobs.extend(msg.logprobs)
+            return False
+        if isinstance(msg, cm.Final):
+            self.finish_reason = msg.finish_reason
+            self.usage = msgspec.structs.asdict(msg.usage)
+            self.timings = msgspec.structs.asdict(msg.timings)
+            self.stop_reason = msg.stop_reason
+            self.preemptions = msg.preemptions
+            return True
+        if isinstance(msg, ErrorReply):
+            raise RequestError(msg)
+        return False
+
+
+def build_generate(
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    prompt_ids: list[int] | None = None,
+    stop: list[str] | None = None,
+    request_id: str | None = None,
+    **params: Any,
+) -> Generate:
+    """A ``Generate`` message; ``params`` are ``SamplingParams`` fields (max_tokens, temperature...)."""
+    return Generate(
+        prompt=prompt,
+        messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+        prompt_ids=prompt_ids,
+        params=SamplingParams(**params),
+        request_id=request_id or uuid.uuid4().hex,
+        stop=stop or [],
+    )
+
+
+def ends_stream(msg: Any) -> bool:
+    """True for a request's last message; raises ``RequestError`` for an error reply."""
+    if isinstance(msg, ErrorReply):
+        raise RequestError(msg)
+    return isinstance(msg, cm.Final)
+
+
+class ServerWatch:
+    """What both clients know of the server, without a socket: the handshake's answer, and
+    whether the process that welcomed us restarted (a ``Pong`` with another boot id) or went
+    silent. Silence counts only while a request is open; the client then pings every
+    ``probe_s``, and ``dead_s`` seconds without any message fail the open requests."""
+
+    def __init__(self, probe_s: float = 1.0, dead_s: float = 3.0) -> None:
+        self.probe_s = probe_s
+        self.dead_s = dead_s
+        self.welcome: cm.Welcome | None = None
+        self.last_rx = 0.0
+        self.open = 0  # requests waiting for the server
+        self._nonce = itertools.count(1)
+
+    @staticmethod
+    def hello() -> bytes:
+        return encode(Hello(actor="client", version=PROTOCOL_VERSION, pid=os.getpid()))
+
+    def welcomed(self, msg: Any) -> bool:
+        """Check the answer to ``hello()``: raises unless the server welcomed us; True when the
+        runtime serves, False while it does not yet (say ``hello`` again a little later)."""
+        if isinstance(msg, ErrorReply):
+            raise RequestError(msg)
+        if not isinstance(msg, cm.Welcome) or not msg.ok:
+            raise RuntimeError(f"server refused the handshake: {getattr(msg, 'reason', msg)}")
+        self.welcome = msg
+        return msg.ready
+
+    def not_ready(self, waited: float) -> TimeoutError:
+        why = self.welcome.reason if self.welcome else "no answer to hello"
+        return TimeoutError(f"the runtime is not ready after {waited:.0f}s: {why}")
+
+    def opened(self, now: float) -> None:
+        """A request starts: silence counts from now if no other request was open."""
+        if self.open == 0:
+            self.last_rx = max(self.last_rx, now)
+        self.open += 1
+
+    def closed(self) -> None:
+        self.open = max(0, self.open - 1)
+
+    def heard(self, msg: Any, now: float) -> str | None:
+        """Record a message from the server; when it is a ``Pong`` from another process than the
+        one that welcomed us, returns why every open request is lost."""
+        self.last_rx = now
+        boot = self.welcome.boot_id if self.welcome else ""
+        if isinstance(msg, Pong) and boot and msg.boot_id and msg.boot_id != boot:
+            return "tokenizer service restarted; request lost"
+        return None
+
+    def silence(self, now: float) -> str | None:
+        """Why the open requests are lost when the server has been silent too long, else None."""
+        silent = now - self.last_rx
+        if self.open and silent > self.dead_s:
+            return f"tokenizer service stopped answering ({silent:.1f}s)"
+        return None
+
+    def ping(self) -> bytes:
+        return encode(Ping(nonce=next(self._nonce)))
+
+    @staticmethod
+    def lost(reason: str, request_id: str | None = None) -> ErrorReply:
+        return ErrorReply(code=ErrorCode.ACTOR_DEAD, message=reason, request_id=request_id)

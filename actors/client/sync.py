@@ -1,0 +1,114 @@
+"""The blocking client: one request at a time on one connection (the CLI's)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from actors.client.aio import connect
+from actors.client.core import (
+    READY_POLL_S,
+    READY_TIMEOUT_S,
+    RequestError,
+    Result,
+    ServerWatch,
+    build_generate,
+    ends_stream,
+)
+from messages import client as cm
+from messages.codec import Decoder, encode
+from messages.common import ErrorReply, Pong
+from messages.tokenizer import Cancel, Generate
+
+
+class SyncClient:
+    """Blocking client: one request at a time on one connection."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 600.0,
+        curve_dir: str | None = None,
+        ready_timeout: float = READY_TIMEOUT_S,
+    ) -> None:
+        self._zsock = connect(endpoint, curve_dir)
+        self.sock = self._zsock.sock
+        self.timeout_s = timeout_s
+        self.ready_timeout = ready_timeout
+        self.watch = ServerWatch()
+        self._decoder: Decoder[Any] = Decoder(cm.ClientInbound)
+
+    @property
+    def welcome(self) -> cm.Welcome | None:
+        return self.watch.welcome
+
+    def __enter__(self) -> SyncClient:
+        """Handshake, then wait until the runtime serves (as ``AsyncClient.hello``)."""
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            self.sock.send(self.watch.hello())
+            if self.watch.welcomed(self._recv()):
+                return self
+            if time.monotonic() >= deadline:
+                raise self.watch.not_ready(self.ready_timeout)
+            time.sleep(READY_POLL_S)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._zsock.close()
+
+    def _recv(self) -> Any:
+        """The next message. While a request is open, ping the server every ``probe_s``; a
+        server silent for ``dead_s`` (or one that restarted) fails it with ``actor_dead``."""
+        watch = self.watch
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.sock.poll(int(watch.probe_s * 1000)):
+                msg = self._decoder.decode(self.sock.recv())
+                lost = watch.heard(msg, time.monotonic())
+                if lost:
+                    raise RequestError(watch.lost(lost))
+                if not isinstance(msg, Pong):
+                    return msg
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"no answer from the server in {self.timeout_s:.0f}s")
+            lost = watch.silence(now)
+            if lost:
+                raise RequestError(watch.lost(lost))
+            if watch.open:
+                try:
+                    self.sock.send(watch.ping(), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+
+    def stream(self, request: Generate | None = None, **kwargs: Any) -> Iterator[Any]:
+        req = request or build_generate(**kwargs)
+        self.sock.send(encode(req))
+        self.watch.opened(time.monotonic())
+        done = False
+        try:
+            while True:
+                msg = self._recv()
+                if getattr(msg, "request_id", req.request_id) != req.request_id:
+                    continue
+                done = isinstance(msg, (ErrorReply, cm.Final))
+                if ends_stream(msg):
+                    yield msg
+                    return
+                yield msg
+        finally:
+            self.watch.closed()
+            if not done:
+                self.sock.send(encode(Cancel(request_id=req.request_id)))
+
+    def generate(self, request: Generate | None = None, **kwargs: Any) -> Result:
+        req = request or build_generate(**kwargs)
+        result = Result(req.request_id)
+        for msg in self.stream(req):
+            if result.apply(msg):
+                break
+        return result

@@ -1,0 +1,246 @@
+"""KVCore: the KV-manager actor's decisions, as a pure state machine over ``KVManager``.
+
+Inputs are protocol messages; outputs are messages to send (``take_outbox``: ``(peer, msg)``
+pairs), replies returned to the caller, and events logged. No sockets, no clock.
+
+- ``admit(Admit)``: reuse the cached prefix and allocate, or refuse with the numbers; answered
+  with ``AdmitResult`` to the scheduler. A request still held by an earlier attempt is released
+  first (its Release was lost with a restarted scheduler).
+- ``grow(Grow)``: decode-time growth, granted straight to the executor (``Extend``). A shortage
+  is reported to the scheduler (``GrowthShortage``), which decides preemption, and the growth is
+  retried, oldest first, whenever blocks are freed.
+- ``cache_prefix(CachePrefix)``: cache the prompt's full blocks after prefill.
+- ``leave(Finish | Release)``: cache then drop, or drop; always answered with ``BlocksFreed``
+  (also for a stale attempt) so the scheduler can count frees in flight.
+- ``match(MatchQuery)``/``stats(check)``: the replies to queries.
+- ``peer_dead(name, reason)``: every request's blocks are dropped; if the executor died its KV
+  tensors died with it, so the prefix cache is emptied too.
+
+Messages for an attempt the core does not hold (stale after a preemption or a restart) are
+ignored. Events (all ``kv.*`` / ``prefix.*``): kv.config, kv.refused, prefix.matched,
+kv.evicted, kv.allocated, kv.extended, kv.shortage, kv.released, kv.cached, kv.cache_error,
+kv.finish_error, kv.stale_request, kv.reset.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from actors.kv.errors import KVError
+from actors.kv.manager import KVManager
+from actors.kv.results import Extended, Refused, Shortage
+from actors.runtime.config import KVConfig
+from messages import kv as km
+from messages.executor import Extend
+from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage
+
+Outgoing = tuple[str, msgspec.Struct]
+
+
+def _numbers(res: Refused | Shortage) -> dict[str, int]:
+    """The block counts behind a refusal or a shortage, as events and messages name them."""
+    return {
+        "blocks_needed": res.blocks_needed,
+        "blocks_free": res.blocks_free,
+        "blocks_evictable": res.blocks_evictable,
+    }
+
+
+class KVCore:
+    def __init__(self, num_blocks: int, cfg: KVConfig, log: Any) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.mgr = self._new_manager(num_blocks)
+        self.attempts: dict[str, int] = {}  # request id -> the attempt holding its blocks
+        self.pending_growth: OrderedDict[str, tuple[int, int]] = OrderedDict()  # oldest first
+        self.outbox: list[Outgoing] = []
+        self.log.info(
+            "kv.config",
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            mode=cfg.mode,
+            lookahead_blocks=cfg.lookahead_blocks,
+        )
+
+    def _new_manager(self, num_blocks: int) -> KVManager:
+        c = self.cfg
+        return KVManager(num_blocks, c.block_size, mode=c.mode, lookahead_blocks=c.lookahead_blocks)
+
+    def take_outbox(self) -> list[Outgoing]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _current(self, rid: str, attempt: int) -> bool:
+        return self.attempts.get(rid) == attempt and rid in self.mgr
+
+    # ---------------------------------------------------------------- requests
+    def admit(self, msg: km.Admit) -> None:
+        rid, mgr = msg.request_id, self.mgr
+        if rid in mgr:  # a previous attempt was never released: release it now
+            self.log.warning("kv.stale_request", request_id=rid, attempt=self.attempts.get(rid))
+            mgr.release(rid, preempted=False)
+        try:
+            res = mgr.admit(rid, msg.token_ids, max(msg.reserve_tokens, len(msg.token_ids)))
+        except KVError as e:
+            res = Refused(str(e), 0, mgr.pool.num_free, 0, fatal=True)
+        if isinstance(res, Refused):
+            nums = _numbers(res)
+            self.log.info("kv.refused", request_id=rid, reason=res.reason, fatal=res.fatal, **nums)
+            refusal = AdmitResult(
+                request_id=rid,
+                attempt=msg.attempt,
+                ok=False,
+                reason=res.reason,
+                fatal=res.fatal,
+                blocks_needed=res.blocks_needed,
+                blocks_free=res.blocks_free,
+                blocks_evictable=res.blocks_evictable,
+            )
+            self.outbox.append(("scheduler", refusal))
+            return
+        self.attempts[rid] = msg.attempt
+        if res.cached_tokens:
+            self.log.info(
+                "prefix.matched",
+                request_id=rid,
+                cached_tokens=res.cached_tokens,
+                prompt_tokens=len(msg.token_ids),
+            )
+        if res.evicted_blocks:
+            self.log.info("kv.evicted", request_id=rid, blocks=res.evicted_blocks)
+        self.log.info(
+            "kv.allocated",
+            request_id=rid,
+            new_blocks=len(res.new_blocks),
+            reused_blocks=len(res.block_table) - len(res.new_blocks),
+            free=mgr.pool.num_free,
+        )
+        result = AdmitResult(
+            request_id=rid,
+            attempt=msg.attempt,
+            ok=True,
+            block_table=res.block_table,
+            cached_tokens=res.cached_tokens,
+            evicted=res.evicted_blocks,
+            in_use=mgr.stats().in_use,
+            num_blocks=mgr.pool.num_blocks,
+        )
+        self.outbox.append(("scheduler", result))
+
+    def grow(self, msg: km.Grow) -> None:
+        if self._current(msg.request_id, msg.attempt):
+            self._grow(msg.request_id, msg.attempt, msg.total_tokens)
+
+    def _grow(self, rid: str, attempt: int, total: int) -> bool:
+        """Grant blocks for ``total`` tokens, or record the shortage and report it (the scheduler
+        decides whether to preempt). True if granted."""
+        res = self.mgr.extend(rid, total)
+        if isinstance(res, Extended):
+            self.pending_growth.pop(rid, None)
+            if res.evicted_blocks:
+                self.log.info("kv.evicted", request_id=rid, blocks=res.evicted_blocks)
+            if res.new_blocks:
+                self.log.info(
+                    "kv.extended", request_id=rid, blocks=res.new_blocks, total_tokens=total
+                )
+                ext = Extend(request_id=rid, attempt=attempt, blocks=res.new_blocks)
+                self.outbox.append(("executor", ext))
+            return True
+        self.pending_growth[rid] = (attempt, total)
+        nums = _numbers(res)
+        self.log.info("kv.shortage", request_id=rid, **nums)
+        self.outbox.append(("scheduler", GrowthShortage(request_id=rid, attempt=attempt, **nums)))
+        return False
+
+    def cache_prefix(self, msg: km.CachePrefix) -> None:
+        if not self._current(msg.request_id, msg.attempt):
+            return
+        try:
+            n = self.mgr.cache_prefix(msg.request_id, msg.token_ids)
+            self.log.debug("kv.cached", request_id=msg.request_id, new_blocks=n)
+        except KVError as e:
+            self.log.error("kv.cache_error", request_id=msg.request_id, reason=str(e))
+
+    def leave(self, msg: km.Finish | km.Release) -> None:
+        """Finish (cache, then drop) or release (drop) a request's blocks; then ``BlocksFreed``."""
+        rid, mgr = msg.request_id, self.mgr
+        if self._current(rid, msg.attempt):
+            try:
+                if isinstance(msg, km.Finish):
+                    freed, reason = mgr.finish(rid, msg.token_ids), "finished"
+                else:
+                    freed = mgr.release(rid, preempted=msg.reason == "preempted")
+                    reason = msg.reason
+            except KVError as e:  # bad token ids for the cache: still free the blocks
+                self.log.error("kv.finish_error", request_id=rid, reason=str(e))
+                freed, reason = mgr.release(rid, preempted=False), "finish_error"
+            self._after_free(rid, reason, freed)
+        s = mgr.stats()
+        freed_msg = BlocksFreed(
+            free=s.free, evictable=s.evictable, in_use=s.in_use, num_blocks=s.num_blocks
+        )
+        self.outbox.append(("scheduler", freed_msg))
+
+    def _after_free(self, rid: str, reason: str, freed: list[int]) -> None:
+        self.attempts.pop(rid, None)
+        self.pending_growth.pop(rid, None)
+        self.log.info(
+            "kv.released",
+            request_id=rid,
+            reason=reason,
+            freed=len(freed),
+            free=self.mgr.pool.num_free,
+        )
+        for other, (attempt, total) in list(self.pending_growth.items()):
+            if not self._current(other, attempt):
+                self.pending_growth.pop(other, None)
+            elif not self._grow(other, attempt, total):
+                break  # oldest first: the rest wait for the next free
+
+    # ----------------------------------------------------------------- queries
+    def match(self, msg: km.MatchQuery) -> km.MatchReply:
+        return km.MatchReply(cached_tokens=[self.mgr.peek_match(t) for t in msg.token_lists])
+
+    def stats(self, check: bool) -> km.Stats:
+        s = self.mgr.stats()
+        ok, err = True, ""
+        if check:
+            try:
+                self.mgr.check()
+            except AssertionError as e:
+                ok, err = False, str(e)
+        return km.Stats(
+            num_blocks=s.num_blocks,
+            free=s.free,
+            cached_only=s.cached_only,
+            in_use=s.in_use,
+            running=s.running,
+            hit_tokens=s.hit_tokens,
+            queried_tokens=s.queried_tokens,
+            evictions=s.evictions,
+            preemptions=s.preemptions,
+            check_ok=ok,
+            check_error=err,
+        )
+
+    # --------------------------------------------------------------- failures
+    def peer_dead(self, name: str, reason: str) -> None:
+        """Drop every request's blocks; empty the prefix cache too if the executor died."""
+        if name == "executor":
+            self.mgr = self._new_manager(self.mgr.pool.num_blocks)
+        else:
+            for rid in list(self.mgr.requests):
+                self.mgr.release(rid, preempted=False)
+        self.attempts.clear()
+        self.pending_growth.clear()
+        s = self.mgr.stats()
+        self.log.warning(
+            "kv.reset",
+            reason=reason,
+            cache_cleared=name == "executor",
+            free=s.free,
+            cached=s.cached,
+        )

@@ -1,0 +1,13 @@
+"""What-if replay: rerun a recorded event log through the real scheduler core and KV manager,
+with a simulated executor on a virtual clock and a step-time model fitted from the log's own
+``executor.step`` events. No model, no sockets, no sleeping.
+
+- ``blockhash``: the per-block prefix hashes that events carry instead of token ids.
+- ``runlog`` / ``workload``: a run's events (or a ``minirt bench serve`` report) -> the workload,
+  its configuration, decisions and outcome.
+- ``stepmodel``: step time as a function of the step's shape (least squares), fit quality.
+- ``loop`` (the virtual clock), ``cores`` (``SchedulerCore`` and ``KVCore`` on it), ``execsim``
+  (the executor) and ``frontsim`` (the front door); ``sim`` runs one replay.
+- ``report``: numbers, plots, the replayed event log; ``cli``: ``minirt replay``;
+  ``acceptance``: ``minirt bench replay``; ``synth``: synthetic logs for tests and speed.
+"""

@@ -1,0 +1,244 @@
+"""The executor, simulated: ``gpu/actor.py``'s step loop and ``gpu/executor.py``'s bookkeeping
+without the model. Each iteration applies what arrived since the last one (runs, block grants,
+preemptions, stops), plans one step with the real ``plan_step``, lets the step take as long as
+the step-time model says, then publishes like the real actor: tokens to the front door,
+``PrefillDone`` / ``RequestDone`` to the scheduler and ``Grow`` to the KV manager one block
+ahead of need. A request produces the tokens its replayed sequence holds and finishes after
+as many tokens as it produced in the recorded run."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from actors.replay.loop import Loop
+from actors.replay.stepmodel import StepModel
+from gpu.requests import RequestState
+from gpu.step_plan import StepBudget, StepPlan, plan_step
+from messages import executor as xm
+from messages.common import SamplingParams
+from messages.kv import Grow
+from messages.scheduler import PrefillDone, RequestDone
+from messages.tokenizer import TokenBatch, TokenEvent
+
+_PARAMS = SamplingParams()  # the stand-in tokens are given, nothing is sampled
+
+
+class _Flight:
+    """What the actor tracks per request, plus where its stand-in tokens come from."""
+
+    __slots__ = (
+        "attempt", "fill", "grow_asked", "outputs", "prompt", "reason", "seq", "seq_base",
+        "started", "total",
+    )  # fmt: skip
+
+    def __init__(self, attempt: int, prompt: list[int], started: float, script: Script) -> None:
+        self.attempt = attempt
+        self.prompt = prompt
+        self.outputs: list[int] = []
+        self.grow_asked = 0
+        self.started = started
+        self.seq, self.seq_base, self.total, self.reason, self.fill = script
+
+
+# (sequence, index of its first generated token, outputs in all, finish reason, filler token)
+Script = tuple[list[int], int, int, str, int]
+
+
+class SimExecutor:
+    name = "executor"
+
+    def __init__(
+        self,
+        loop: Loop,
+        budget: StepBudget,
+        block_size: int,
+        lookahead_tokens: int,
+        model: StepModel,
+        rec: Any,
+        script: Callable[[str], Script],
+        out_hop_s: float,
+        num_blocks: int,
+    ) -> None:
+        self.loop = loop
+        self.budget = budget
+        self.bs = block_size
+        self.lookahead = lookahead_tokens
+        self.model = model
+        self.rec = rec
+        self.script = script  # request id -> what it generates and when it finishes
+        self.out_hop_s = out_hop_s
+        self.prefilling: dict[str, RequestState] = {}
+        self.decoding: dict[str, RequestState] = {}
+        self.flight: dict[str, _Flight] = {}
+        self.mailbox: deque[Any] = deque()
+        self.busy = False
+        self.steps = 0
+        rec.record(
+            "executor.config",
+            model="(replay)",
+            device="simulated",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            step_budget=budget.step_budget,
+            chunk_cap=budget.chunk_cap,
+            max_batch_size=budget.max_batch_size,
+            long_prefill_threshold=budget.long_prefill_threshold,
+            max_long_prefills=budget.max_long_prefills,
+            decode_first=budget.decode_first,
+        )
+
+    def handle(self, msg: Any) -> None:
+        self.mailbox.append(msg)
+        if not self.busy:
+            self.busy = True
+            self.loop.at(self.loop.now, self._iterate)
+
+    # ------------------------------------------------------------------ loop
+    def _iterate(self) -> None:
+        while self.mailbox:
+            self._apply(self.mailbox.popleft())
+        plan = None
+        if self.prefilling or self.decoding:
+            plan = plan_step(self.decoding.values(), self.prefilling.values(), self.budget, self.bs)
+        if plan is None or not (plan.decodes or plan.chunks):
+            self.busy = False  # idle, or every decode waits for a block: the next message wakes us
+            return
+        dctx = sum(r.computed for r in plan.decodes)
+        pre = sum(c for _, c in plan.chunks)
+        pctx = sum(c * (r.computed + c) for r, c in plan.chunks)
+        dt = self.model.predict(pre, len(plan.decodes), len(plan.chunks), dctx, pctx)
+        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, dt, pre, dctx, pctx)
+
+    def _step_done(self, plan: StepPlan, dt: float, pre: int, dctx: int, pctx: int) -> None:
+        finals = [r for r, c in plan.chunks if r.computed + c == len(r.prompt)]
+        for r in plan.decodes:
+            r.computed += 1
+        for r, c in plan.chunks:
+            r.computed += c
+        events: list[TokenEvent] = []
+        produce = self._produce
+        for req in plan.decodes:
+            produce(req, events)
+        for req in finals:
+            produce(req, events)
+        if events:
+            self.loop.send("tokenizer", TokenBatch(events=events), self.out_hop_s)
+        self.steps += 1
+        self.rec.record(
+            "executor.step",
+            step=self.steps,
+            requests=len(plan.decodes) + len(plan.chunks),
+            prefill_tokens=pre,
+            decode_tokens=len(plan.decodes),
+            skipped=len(plan.skipped),
+            forward_s=dt,
+            step_s=dt,
+            control_s=0.0,
+            decode_ctx=dctx,
+            prefill_ctx=pctx,
+        )
+        self._iterate()
+
+    def _produce(self, req: RequestState, events: list[TokenEvent]) -> None:
+        """One sampled token: the executor's bookkeeping, then the actor's publishing."""
+        rid = req.rid
+        fl = self.flight[rid]
+        out = req.out
+        first = not out
+        k = fl.seq_base + req.prior + len(out)
+        tok = fl.seq[k] if k < len(fl.seq) else fl.fill
+        out.append(tok)
+        n_out = req.prior + len(out)
+        finish = fl.reason if n_out >= fl.total else None
+        if finish is not None:
+            self.prefilling.pop(rid, None)
+            self.decoding.pop(rid, None)
+        elif first:
+            del self.prefilling[rid]
+            self.decoding[rid] = req
+        fl.outputs.append(tok)
+        events.append(TokenEvent(rid, tok, None, None, finish))
+        send = self.loop.send
+        if first:
+            ttft = self.loop.now - fl.started
+            self.rec.record("executor.prefill_done", request_id=rid, ttft_s=ttft)
+            send("scheduler", PrefillDone(request_id=rid, attempt=fl.attempt))
+        if finish is not None:
+            del self.flight[rid]
+            done = RequestDone(
+                request_id=rid,
+                attempt=fl.attempt,
+                status="finished",
+                kv_token_ids=fl.prompt + fl.outputs[:-1],
+                output_ids=fl.outputs,
+                finish_reason=finish,
+            )
+            send("scheduler", done)
+            return
+        need = len(req.prompt) - req.prior + n_out + self.lookahead
+        if len(req.table) * self.bs < need and fl.grow_asked < need:
+            fl.grow_asked = need
+            send("kv_manager", Grow(request_id=rid, attempt=fl.attempt, total_tokens=need))
+
+    # -------------------------------------------------------------- inbound
+    def _apply(self, msg: Any) -> None:
+        if isinstance(msg, xm.Run):
+            self._run(msg)
+            return
+        fl = self.flight.get(msg.request_id)
+        if fl is None or fl.attempt != msg.attempt:
+            return
+        if isinstance(msg, xm.Extend):
+            req = self.prefilling.get(msg.request_id) or self.decoding[msg.request_id]
+            req.table.extend(msg.blocks)
+            self.rec.record("executor.extended", request_id=msg.request_id, blocks=msg.blocks)
+        elif isinstance(msg, xm.Preempt):
+            fl = self._end(msg.request_id, "preempted")
+            n = len(fl.outputs)
+            self.rec.record(
+                "executor.preempted", request_id=msg.request_id, attempt=fl.attempt, output_tokens=n
+            )
+        elif isinstance(msg, xm.Stop):
+            fl = self._end(msg.request_id, "aborted")
+            self.rec.record(
+                "executor.aborted",
+                request_id=msg.request_id,
+                attempt=fl.attempt,
+                output_tokens=len(fl.outputs),
+                reason=msg.reason,
+            )
+
+    def _run(self, msg: xm.Run) -> None:
+        rid = msg.request_id
+        if rid in self.flight:
+            self._forget(rid)
+            self.flight.pop(rid)
+        prompt = list(msg.prompt_ids)
+        self.prefilling[rid] = RequestState(
+            rid, prompt, _PARAMS, list(msg.block_table), msg.cached_tokens, 0, frozenset(),
+            msg.output_offset,
+        )  # fmt: skip
+        self.flight[rid] = _Flight(msg.attempt, prompt, self.loop.now, self.script(rid))
+        self.rec.record(
+            "executor.running",
+            request_id=rid,
+            attempt=msg.attempt,
+            prompt_tokens=len(prompt),
+            cached_tokens=msg.cached_tokens,
+            blocks=len(msg.block_table),
+        )
+
+    def _forget(self, rid: str) -> None:
+        self.prefilling.pop(rid, None)
+        self.decoding.pop(rid, None)
+
+    def _end(self, rid: str, status: str) -> _Flight:
+        fl = self.flight.pop(rid)
+        self._forget(rid)
+        self.loop.send(
+            "scheduler",
+            RequestDone(request_id=rid, attempt=fl.attempt, status=status, output_ids=fl.outputs),
+        )
+        return fl

@@ -1,0 +1,208 @@
+"""One replay: a recorded workload through the real scheduler core and KV manager, with the
+simulated executor and front door, on the virtual clock; optionally under changed knobs."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from actors.bench import report as bench_report
+from actors.replay import blockhash
+from actors.replay.cores import SimKV, SimScheduler
+from actors.replay.execsim import Script, SimExecutor
+from actors.replay.frontsim import SimFrontDoor
+from actors.replay.loop import Loop, SimLog
+from actors.replay.runlog import admit_to_run, decisions
+from actors.replay.stepmodel import StepModel
+from actors.replay.workload import Config, Recorded, RequestSpec
+
+# knob (as on the command line, dashes) -> (section, field, type)
+KNOBS: dict[str, tuple[str, str, type]] = {
+    "policy": ("scheduler", "policy", str),
+    "max-batch-size": ("both", "max_batch_size", int),
+    "max-wait-s": ("scheduler", "max_wait_s", float),
+    "prefix-defer-tokens": ("scheduler", "prefix_defer_tokens", int),
+    "num-blocks": ("kv", "num_blocks", int),
+    "kv-mode": ("kv", "mode", str),
+    "chunk-cap": ("budget", "chunk_cap", int),
+    "step-budget": ("budget", "step_budget", int),
+    "long-prefill-threshold": ("budget", "long_prefill_threshold", int),
+    "max-long-prefills": ("budget", "max_long_prefills", int),
+    "decode-first": ("budget", "decode_first", bool),
+}
+
+
+def parse_knob(name: str, value: str) -> Any:
+    if name not in KNOBS:
+        raise ValueError(f"unknown knob {name!r}; known: {', '.join(KNOBS)}")
+    kind = KNOBS[name][2]
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"--{name}: {value!r} is not a {kind.__name__}") from None
+
+
+def configured(base: Config, knobs: dict[str, Any]) -> Config:
+    """A copy of ``base`` with ``knobs`` (names as in ``KNOBS``) changed."""
+    cfg = copy.deepcopy(base)
+    for name, value in knobs.items():
+        section, fld, _ = KNOBS[name]
+        if section in ("scheduler", "both"):
+            setattr(cfg.scheduler, fld, value)
+        if section == "both" or section == "budget":
+            cfg.budget = replace(cfg.budget, **{fld: value})
+        if section == "kv":
+            setattr(cfg.kv, fld, value)
+            if fld == "num_blocks":
+                cfg.num_blocks = value
+    cfg.budget.check()
+    if cfg.kv.mode not in ("full", "on_demand"):
+        raise ValueError(f"--kv-mode: {cfg.kv.mode!r} is not full or on_demand")
+    if cfg.num_blocks < 1 or cfg.scheduler.max_batch_size < 1:
+        raise ValueError("--num-blocks and --max-batch-size must be >= 1")
+    return cfg
+
+
+@dataclass
+class Result:
+    config: Config
+    records: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    wall_s: float
+    steps: int
+    sim_s: float  # how long the replay itself took (seconds of this machine)
+    kv_timeline: list[tuple[float, float]] = field(default_factory=list)
+    hop_s: float = 0.0  # message latency between actors
+    to_executor_s: float = 0.0  # ... and to the executor
+
+    def summary(self, tag: str | None = None) -> dict[str, Any]:
+        return bench_report.summarize(self.records, self.wall_s, tag)
+
+    def decisions(self) -> list[tuple[str, str, int]]:
+        return decisions(self.events)
+
+
+class _Sequences:
+    """Each request's stand-in token sequence (prompt, then what it generates), rebuilt from
+    the logged block hashes: shared prefixes stay shared, everything else is unique."""
+
+    def __init__(self, specs: list[RequestSpec], block_size: int) -> None:
+        self.bs = block_size
+        self.seq: dict[str, list[int]] = {}
+        self.index: dict[str, int] = {}
+        self.goal: dict[str, tuple[int, str]] = {}
+        for s in specs:
+            full = s.prompt_tokens // block_size
+            hashes = s.prompt_hashes[:full]
+            if len(hashes) == full:
+                hashes = hashes + s.tail_hashes
+            seq: list[int] = []
+            for h in hashes:
+                seq.extend(blockhash.block_tokens(h, block_size))
+            if len(seq) < s.prompt_tokens:
+                seq.extend(blockhash.filler(s.index, s.prompt_tokens - len(seq)))
+            self.seq[s.rid] = seq
+            self.index[s.rid] = s.index
+            self.goal[s.rid] = (
+                s.outputs,
+                s.finish_reason if s.finish_reason != "abort" else "length",
+            )
+        self._prompt_len = {s.rid: s.prompt_tokens for s in specs}
+
+    def prompt(self, spec: RequestSpec) -> list[int]:
+        return self.seq[spec.rid][: spec.prompt_tokens]
+
+    def script(self, rid: str) -> Script:
+        """What the simulated executor needs to generate ``rid``'s tokens and finish it."""
+        total, reason = self.goal[rid]
+        return self.seq[rid], self._prompt_len[rid], total, reason, -1 - self.index[rid]
+
+
+def replay(
+    rec: Recorded,
+    model: StepModel,
+    knobs: dict[str, Any] | None = None,
+    to_executor_s: float | None = None,
+) -> Result:
+    """Run ``rec``'s workload under its recorded configuration changed by ``knobs``; messages
+    to the executor take ``to_executor_s`` (default: the log's hop estimate)."""
+    started = time.perf_counter()
+    cfg = configured(rec.config, knobs or {})
+    loop = Loop(rec.hop_s, to_executor_s)
+    events: list[dict[str, Any]] = []
+
+    def log(actor: str) -> SimLog:
+        return SimLog(events, actor, loop, rec.t0)
+
+    seqs = _Sequences(rec.requests, cfg.kv.block_size)
+    kv = SimKV(loop, cfg.kv, cfg.num_blocks, log("kv_manager"))
+    sched = SimScheduler(loop, cfg.scheduler, cfg.kv, log("scheduler"))
+    ex = SimExecutor(
+        loop,
+        cfg.budget,
+        cfg.kv.block_size,
+        cfg.kv.lookahead_blocks * cfg.kv.block_size,
+        model,
+        log("executor"),
+        seqs.script,
+        rec.out_hop_s,
+        cfg.num_blocks,
+    )
+    front = SimFrontDoor(loop, log("tokenizer"), rec.requests, seqs.prompt, rec.client_s)
+    loop.handlers = {
+        "scheduler": sched.handle,
+        "kv_manager": kv.handle,
+        "executor": ex.handle,
+        "tokenizer": front.handle,
+    }
+    front.start()
+    loop.run()
+    records = front.records()
+    ends = [r["sent_s"] + r["e2e_s"] for r in records]
+    wall = max(ends) if ends else 0.0
+    return Result(
+        config=cfg,
+        records=records,
+        events=events,
+        wall_s=wall,
+        steps=ex.steps,
+        sim_s=time.perf_counter() - started,
+        kv_timeline=bench_report.kv_timeline(events, rec.t0, rec.t0 + wall + 1.0),
+        hop_s=loop.hop_s,
+        to_executor_s=loop.latency["executor"],
+    )
+
+
+def calibrate(rec: Recorded, model: StepModel, first: int = 400, tol: float = 0.02) -> float:
+    """The latency of messages to the executor that makes the replay's mean time from admission
+    to the executor's start match the recorded one (bisection over replays of the first
+    ``first`` requests). On a busy machine the executor picks up its inbox late, and the median
+    of one hop between the other actors underestimates that. Falls back to the log's hop
+    estimate when the log has no admission/start pairs."""
+    target = rec.admit_to_run_s
+    if target <= 0:
+        return rec.hop_s
+    sub = copy.copy(rec)
+    sub.requests = rec.requests[:first]
+
+    def gap(h: float) -> float:
+        return admit_to_run(replay(sub, model, to_executor_s=h).events)
+
+    lo, hi = 0.0, max(4 * target, 1e-3)
+    if gap(lo) >= target:
+        return 0.0
+    if gap(hi) <= target:
+        return hi
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        g = gap(mid)
+        if abs(g - target) <= tol * target:
+            return mid
+        lo, hi = (mid, hi) if g < target else (lo, mid)
+    return (lo + hi) / 2

@@ -1,0 +1,94 @@
+"""The scheduler core's state and the primitives every part of it uses: send, free, fail, drop.
+
+``SchedulerCore`` (core.py) is assembled from this base, ``AdmissionMixin`` (admission.py) and
+``PreemptionMixin`` (preemption.py); each file is one role, all of it pure (no sockets).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from actors.runtime.config import KVConfig, SchedulerConfig
+from actors.scheduler.prefix_defer import PrefixDeferral
+from actors.scheduler.queue import WaitingQueue, make_queue
+from actors.scheduler.state import SchedRequest, Status
+from messages import kv as km
+from messages import tokenizer as tm
+
+Outgoing = tuple[str, msgspec.Struct]
+
+
+class AdmissionState(enum.Enum):
+    """Where admission stands; exactly one at a time."""
+
+    OPEN = "open"  # nothing pending: ``schedule`` may offer the next request
+    MATCHING = "matching"  # a ``kv_match`` query is out (the policy needs match lengths)
+    ADMITTING = "admitting"  # a ``kv_admit`` is out for ``admitting``
+    BLOCKED = "blocked"  # the last admission was refused for lack of blocks: wait for ``freed``
+
+
+class CoreBase(abc.ABC):
+    def __init__(
+        self, cfg: SchedulerConfig, kv: KVConfig, log: Any, clock: Callable[[], float]
+    ) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.log = log
+        self.clock = clock
+        self.queue: WaitingQueue = make_queue(cfg.policy, cfg.max_wait_s)
+        self.defer = PrefixDeferral(cfg.prefix_defer_tokens)
+        self.requests: dict[str, SchedRequest] = {}  # every live request, by id
+        self.running: dict[str, SchedRequest] = {}  # holds blocks (running/preempting/stopping)
+        self.admission = AdmissionState.OPEN
+        self.admitting: SchedRequest | None = None  # set while ADMITTING
+        self.frees_in_flight = 0  # kv_finish/kv_release sent, their ``freed`` not yet back
+        self.preempting: str | None = None  # one preemption at a time
+        self.outbox: list[Outgoing] = []
+        self._seq = 0
+        self._admit_seq = 0
+        self.counters = {"admitted": 0, "refused": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+
+    @abc.abstractmethod
+    def schedule(self) -> None:
+        """Offer the next request to the KV manager if nothing blocks admission (core.py)."""
+
+    # ---------------------------------------------------------------- sending
+    def _send(self, peer: str, msg: msgspec.Struct) -> None:
+        self.outbox.append((peer, msg))
+
+    def _free_blocks(self, msg: km.Finish | km.Release) -> None:
+        """Send a finish/release to the KV manager and count it: every one is answered with a
+        ``freed``, and a refusal with nothing running fails the request only when none is due."""
+        self.frees_in_flight += 1
+        self._send("kv_manager", msg)
+
+    def take_outbox(self) -> list[Outgoing]:
+        """The messages to send, as ``(peer, message)`` in order; empties the outbox."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    # -------------------------------------------------------------- endings
+    def _fail(self, req: SchedRequest, code: str, message: str, field: str | None = None) -> None:
+        self.log.info("request.failed", request_id=req.request_id, code=code, reason=message)
+        self._send(
+            "tokenizer",
+            tm.RequestFailed(request_id=req.request_id, code=code, message=message, field=field),
+        )
+        self._drop(req)
+
+    def _drop(self, req: SchedRequest) -> None:
+        req.status = Status.DONE
+        self._release_prefix(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self.running.pop(req.request_id, None)
+        self.queue.remove(req.request_id)
+
+    def _release_prefix(self, rid: str) -> None:
+        """``rid`` computed its prefix (or left): the requests it held go back to the front."""
+        for r in reversed(self.defer.release(rid)):
+            self.queue.push_front(r)

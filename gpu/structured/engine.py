@@ -1,0 +1,115 @@
+"""What the executor needs of structured output: compile (cached), a request's grammar state,
+the step's mask over the constrained rows, and the end of a constrained answer.
+
+The tokenizer (and llguidance's view of it) is loaded on the first constrained request, so a
+runtime that never sees one pays nothing. Ending rules (:meth:`StructuredEngine.finish`): a
+constrained answer ends with ``stop`` when the grammar has stopped (it accepts and nothing more
+can follow, or it consumed an EOS it allowed), or when a ``stop_token_ids`` token it consumed
+as text leaves it accepting (with ``min_tokens`` reached); an EOS or stop id can never end it
+where the grammar does not accept.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpu.structured.grammar import Compiled, GrammarCache, hf_llg_tokenizer
+from gpu.structured.masks import GrammarState, Masker
+from messages.common import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from gpu.requests import RequestState
+
+
+class StructuredEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        vocab_size: int,
+        eos_ids: list[int],
+        device: torch.device,
+        capacity: int | None = None,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self.device = device
+        self.cache = (
+            GrammarCache(self._tokenizer)
+            if capacity is None
+            else GrammarCache(self._tokenizer, capacity)
+        )
+        self._masker: Masker | None = None
+        self._filler: ThreadPoolExecutor | None = None
+
+    def _tokenizer(self):
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(self.model_dir)
+        return hf_llg_tokenizer(hf, self.vocab_size, self.eos_ids)
+
+    def compile(self, s: StructuredOutput) -> tuple[Compiled, bool]:
+        """``(compiled, cache_hit)``; raises GrammarError naming the field. Thread-safe."""
+        return self.cache.compile(s)
+
+    def state(self, compiled: Compiled, prompt: list[int], prior: int) -> GrammarState:
+        """A request's grammar state, past its ``prior`` earlier outputs (the end of ``prompt``);
+        raises ValueError if they do not match."""
+        return GrammarState(compiled, prompt[len(prompt) - prior :] if prior else [])
+
+    @property
+    def masker(self) -> Masker:
+        if self._masker is None:
+            self._masker = Masker(
+                self.vocab_size, self.eos_ids, self.device, torch.get_num_threads()
+            )
+        return self._masker
+
+    def start(self, reqs: list[RequestState]) -> Future | None:
+        """Start filling the bitmask of the constrained rows among ``reqs`` (the step's sampling
+        rows, their grammars already advanced by the previous step) in a worker thread, so it
+        runs while the forward does (llguidance releases the GIL). None: no constrained row."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        states = [reqs[i].grammar for i in rows]
+        no_eos = [_no_eos(reqs[i].params, reqs[i].prior + len(reqs[i].out)) for i in rows]
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="minirt-mask")
+        masker = self.masker
+        return self._filler.submit(lambda: (rows, masker.fill(states, no_eos)))  # type: ignore[arg-type]
+
+    def mask(
+        self, logits: torch.Tensor, reqs: list[RequestState], pending: Future | None
+    ) -> torch.Tensor:
+        """``logits`` (one row per entry of ``reqs``) with each constrained row's forbidden
+        tokens at ``-inf`` (the bitmask ``start`` filled); the unconstrained rows untouched.
+        Changed in place unless a request wants logprobs (they are of the raw logits)."""
+        if pending is None:
+            return logits
+        rows, mask = pending.result()
+        inplace = all(r.params.logprobs is None for r in reqs)
+        return self.masker.apply(logits, rows, mask, inplace=inplace)
+
+    @staticmethod
+    def finish(req: RequestState, token: int) -> tuple[str | None, str | None]:
+        """Advance ``req``'s grammar by ``token`` (just appended to ``req.out``):
+        ``(finish_reason or None, error or None)``; the length limit is the caller's."""
+        g = req.grammar
+        assert g is not None
+        if not g.advance(token):
+            return None, g.error()
+        if g.stopped:
+            return "stop", None
+        before = req.prior + len(req.out) - 1  # outputs before this one
+        if token in req.stop and g.accepting and before >= req.params.min_tokens:
+            return "stop", None
+        return None, None
+
+
+def _no_eos(p: SamplingParams, n_out: int) -> bool:
+    return p.ignore_eos or n_out < p.min_tokens

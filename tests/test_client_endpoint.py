@@ -1,0 +1,108 @@
+"""The front door's client endpoint without sockets: per-connection request ids, sends through the
+outbox, disconnects and idle probes, on trio's mock clock."""
+
+from __future__ import annotations
+
+import errno
+
+import trio
+import trio.testing
+import zmq
+
+from messages.codec import Decoder
+from messages.common import Ping, Pong
+from messages.tokenizer import client_request_id
+from tokenizer_svc.clients import PROBE_S, ClientEndpoint
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def info(self, event: str, **fields) -> None:
+        self.events.append((event, fields))
+
+
+class Wire:
+    """Stands in for the ROUTER: records frames per identity; ``full`` refuses (queue at its
+    high-water mark), ``gone`` raises EHOSTUNREACH (the client disconnected)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[bytes, list] = {}
+        self.full: set[bytes] = set()
+        self.gone: set[bytes] = set()
+        self.decoder: Decoder = Decoder(Pong | Ping)
+
+    def try_send(self, ident: bytes, data: bytes) -> bool:
+        if ident in self.gone:
+            raise zmq.ZMQError(errno.EHOSTUNREACH)
+        if ident in self.full:
+            return False
+        self.sent.setdefault(ident, []).append(self.decoder.decode(data))
+        return True
+
+
+def endpoint() -> tuple[ClientEndpoint, Wire, list[list[str]], Log]:
+    wire, gone, log = Wire(), [], Log()
+    return ClientEndpoint(wire.try_send, gone.append, "boot1234", log), wire, gone, log
+
+
+def test_ids_are_scoped_to_the_connection():
+    ep, *_ = endpoint()
+    a1 = ep.open(b"A", "1")
+    b1 = ep.open(b"B", "1")
+    assert a1 is not None and b1 is not None and a1 != b1  # same id, two clients: no collision
+    assert client_request_id(a1) == client_request_id(b1) == "1"
+    assert ep.open(b"A", "1") is None  # in flight on this connection: refused
+    assert ep.lookup(b"A", "1") == a1 and ep.lookup(b"B", "1") == b1
+    assert ep.lookup(b"C", "1") is None  # another client sees nothing of them
+    ep.close(b"A", "1")
+    assert ep.lookup(b"A", "1") is None and ep.lookup(b"B", "1") == b1
+    again = ep.open(b"A", "1")
+    assert again not in (None, a1, b1)  # reusable, under a fresh runtime-wide id
+
+
+async def test_a_client_that_is_gone_hands_back_its_requests(autojump_clock):
+    ep, wire, gone, log = endpoint()
+    ids = [ep.open(b"A", "1"), ep.open(b"A", "2")]
+    ep.open(b"B", "1")
+    wire.gone.add(b"A")
+    ep.send(b"A", Ping(nonce=1))
+    assert gone == [ids]  # A's requests, and only A's
+    assert ep.lookup(b"A", "1") is None and ep.in_flight() == 1
+    assert log.events == [("client.disconnected", {"client": "c1", "requests": 2})]
+
+
+async def test_frames_wait_in_order_while_a_client_is_full(autojump_clock):
+    ep, wire, _, _ = endpoint()
+    ep.open(b"A", "1")
+    wire.full.add(b"A")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ep.outbox.run)
+        for n in range(1, 4):
+            ep.send(b"A", Ping(nonce=n))
+        ep.send(b"B", Ping(nonce=9))  # another client is not held up
+        assert b"A" not in wire.sent and wire.sent[b"B"] == [Ping(nonce=9)]
+        await trio.sleep(0.05)
+        wire.full.discard(b"A")
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(0.05)
+        assert wire.sent[b"A"] == [Ping(nonce=n) for n in (1, 2, 3)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_idle_clients_with_requests_are_probed_and_the_others_forgotten(autojump_clock):
+    ep, wire, gone, _ = endpoint()
+    ep.open(b"A", "1")  # waits in the queue: nothing is sent to it
+    ep.open(b"B", "1")
+    ep.close(b"B", "1")  # B has nothing in flight
+    probe = Pong(actor="tokenizer", boot_id="boot1234")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ep.probe_loop, probe)
+        await trio.sleep(PROBE_S * 1.5)
+        assert wire.sent.get(b"A") == [probe]
+        assert b"B" not in ep.clients and b"B" not in wire.sent
+        wire.gone.add(b"A")  # A disconnects: the next probe finds out
+        await trio.sleep(PROBE_S * 1.5)
+        assert gone and gone[0][0].startswith("1@") and b"A" not in ep.clients
+        nursery.cancel_scope.cancel()

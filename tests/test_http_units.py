@@ -1,0 +1,113 @@
+"""The HTTP layer's pure parts (request conversion, error naming) and the app in-process: a bug
+answers a plain 500 in OpenAI's shape and logs ``http.error``, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from actors.runtime.events import configure
+from tokenizer_svc.http.app import Server, build_app
+from tokenizer_svc.http.convert import plan_chat, plan_completion
+from tokenizer_svc.http.errors import ApiError, from_validation, param_of
+from tokenizer_svc.http.model import ModelInfo
+from tokenizer_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+from tokenizer_svc.http.upstream import Upstream
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> ModelInfo:
+    return ModelInfo.load(str(tiny_model))
+
+
+def test_error_locations_are_named_as_openai_spells_them():
+    assert param_of(("messages", 1, "content", "str")) == "messages[1].content"
+    assert param_of(("messages", 0, "content", "list[ContentPart]", 2, "type")) == (
+        "messages[0].content[2].type"
+    )
+    assert param_of(("prompt", "list[list[int]]", 0, 3)) == "prompt[0][3]"
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": 3}]})
+    e = from_validation(info.value)
+    assert (e.status, e.param) == (400, "messages[0].content")
+
+
+def test_n_choices_get_seed_streams_and_ids(model):
+    req = CompletionRequest.model_validate({"prompt": [[5, 6], [7, 8, 9]], "n": 2, "seed": 40})
+    plan = plan_completion(req, model, "rid")
+    assert [c.generate.request_id for c in plan.choices] == ["rid-0", "rid-1", "rid-2", "rid-3"]
+    assert [c.generate.params.seed for c in plan.choices] == [40, 41, 40, 41]
+    assert [c.generate.prompt_ids for c in plan.choices] == [[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]]
+    assert [c.prompt_index for c in plan.choices] == [0, 0, 1, 1]
+    single = plan_completion(CompletionRequest.model_validate({"prompt": "hi"}), model, "x")
+    assert single.choices[0].generate.request_id == "x"
+    assert single.choices[0].generate.params.max_tokens == 16  # OpenAI's completions default
+
+
+def test_chat_defaults_to_the_rest_of_the_context_and_joins_text_parts(model):
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "developer", "content": "sys"}, {"role": "user", "content": parts}]}
+    )
+    plan = plan_chat(req, model, "r")
+    ids = plan.prompts[0]
+    text = model.tokenizer.decode(ids)
+    assert "<|im_start|>system\nsys<|im_end|>" in text and "a\nb" in text
+    assert plan.choices[0].generate.params.max_tokens == model.max_model_len - len(ids)
+    assert plan.choices[0].generate.params.temperature == 1.0  # OpenAI's default
+
+
+def test_refusals_name_the_field(model):
+    cases = [
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+        ({"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+        ({"prompt": [1, 2], "best_of": 3}, "best_of"),
+        ({"prompt": "x", "suffix": "tail"}, "suffix"),
+        ({"prompt": "x", "model": "other"}, "model"),
+    ]
+    for body, param in cases:
+        with pytest.raises(ApiError) as info:
+            plan_completion(CompletionRequest.model_validate(body), model, "r")
+        assert info.value.param == param, body
+
+
+async def test_a_bug_is_a_plain_500_and_an_http_error_event(model, tmp_path, monkeypatch):
+    configure("http", tmp_path, stdout=False)
+    from actors.runtime.events import get_logger
+
+    log = get_logger()
+    server = Server(
+        model=model, upstream=Upstream("ipc:///nowhere", None, log), endpoints={}, log=log
+    )
+
+    def broken(name):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(model, "check_model", broken)
+    transport = httpx.ASGITransport(app=build_app(server))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        r = await c.post("/tokenize", json={"prompt": "hi"}, headers={"X-Request-Id": "bug-1"})
+        assert r.status_code == 500
+        assert r.json() == {
+            "error": {
+                "message": "internal server error",
+                "type": "internal_server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        }
+        assert "secret" not in r.text and "Traceback" not in r.text
+        monkeypatch.undo()
+        down = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert down.status_code == 503  # no front door: named, not a 500
+        assert "tokenizer" in down.json()["error"]["message"]
+    events = [
+        json.loads(line) for line in (tmp_path / "events" / "http.jsonl").read_text().splitlines()
+    ]
+    [err] = [e for e in events if e["event"] == "http.error"]
+    assert err["request_id"] == "bug-1" and err["error"] == "RuntimeError"
+    [resp] = [e for e in events if e["event"] == "http.response" and e["request_id"] == "bug-1"]
+    assert resp["status"] == 500

@@ -1,0 +1,190 @@
+"""Peer liveness on trio's clock: deaths and restarts detected on time, with a mock clock.
+
+The pure record (``actors.runtime.liveness``) is driven directly; then two real actors talk over
+ipc sockets while a ``MockClock`` runs the heartbeats, so a death takes no real seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from actors.client import RequestError, ServerWatch
+from actors.runtime.actor import Actor
+from actors.runtime.config import RuntimeConfig
+from actors.runtime.liveness import Kind, Liveness, State
+from messages.client import Welcome
+from messages.common import ErrorCode, ErrorReply, Hello, Ping, Pong
+
+HB = 0.5
+TIMEOUT = HB * 3  # dead_after heartbeats
+
+
+def kinds(changes: list[Any]) -> list[tuple[str, Kind]]:
+    return [(c.peer, c.kind) for c in changes]
+
+
+async def test_a_peer_silent_past_the_timeout_dies_once_and_comes_back(autojump_clock):
+    live = Liveness(["kv", "executor"], heartbeat_s=HB)
+    assert live.state("kv") is State.UNSEEN
+    first = live.pong("kv", "b1")
+    assert first is not None and (first.kind, first.boot_id) == (Kind.SEEN, "b1")
+    assert live.state("kv") is State.ALIVE
+    for _ in range(10):  # answering every heartbeat: alive however long it runs
+        await trio.sleep(HB)
+        assert live.pong("kv", "b1") is None
+        assert live.check() == []
+    await trio.sleep(TIMEOUT)  # silent for exactly the timeout: not yet
+    assert live.check() == []
+    await trio.sleep(0.01)
+    [died] = live.check()
+    assert (died.peer, died.kind) == ("kv", Kind.DIED)
+    assert died.reason == "kv died (no heartbeat for 1.5s)"
+    assert live.down == {"kv"}
+    await trio.sleep(10 * HB)
+    assert live.check() == []  # declared once, not at every heartbeat
+    back = live.pong("kv", "b1")  # the same process, after a stall
+    assert back is not None and back.kind is Kind.BACK
+    assert live.down == frozenset() and live.state("kv") is State.ALIVE
+
+
+async def test_a_peer_that_never_answered_is_never_declared_dead(autojump_clock):
+    live = Liveness(["kv"], heartbeat_s=HB)
+    await trio.sleep(50 * TIMEOUT)
+    assert live.check() == [] and live.state("kv") is State.UNSEEN and not live.down
+
+
+async def test_a_new_boot_id_is_a_restart_and_late_answers_of_the_old_process_are_ignored(
+    autojump_clock,
+):
+    live = Liveness(["kv", "executor"], heartbeat_s=HB)
+    live.pong("kv", "old")
+    live.pong("executor", "x1")
+    await trio.sleep(HB)
+    restarted = live.pong("kv", "new")
+    assert restarted is not None and restarted.kind is Kind.RESTARTED
+    assert restarted.reason == "kv restarted (new boot id new)" and restarted.boot_id == "new"
+    assert live.state("kv") is State.ALIVE and not live.down
+    assert live.pong("kv", "old") is None  # a stale Pong: neither a restart nor a sign of life
+    assert live.pong("kv", "new") is None
+    live.pong("executor", "x1")
+    await trio.sleep(TIMEOUT - 0.1)
+    live.pong("executor", "x1")
+    await trio.sleep(0.2)
+    # the stale Pong did not count: kv is silent since "new" answered; the executor is not
+    assert kinds(live.check()) == [("kv", Kind.DIED)]
+    back = live.pong("kv", "newer")  # its successor, after the death was noticed
+    assert back is not None and (back.kind, back.boot_id) == (Kind.BACK, "newer")
+    assert live.peers["kv"].restarts == 2
+
+
+def test_the_clients_watch_fails_open_requests_on_a_restart_or_silence_only():
+    watch = ServerWatch(probe_s=1.0, dead_s=3.0)
+    with pytest.raises(RequestError, match="bad_frame"):
+        watch.welcomed(ErrorReply(code=ErrorCode.BAD_FRAME, message="?"))
+    with pytest.raises(RuntimeError, match="refused the handshake: version 9"):
+        watch.welcomed(Welcome(version=1, model="m", max_model_len=8, ok=False, reason="version 9"))
+    assert watch.welcomed(Welcome(1, "m", 8, boot_id="b1", ready=False)) is False  # not yet
+    assert watch.welcomed(Welcome(1, "m", 8, boot_id="b1")) is True
+    watch.heard(Pong(actor="tokenizer", boot_id="b1"), now=10.0)
+    assert watch.silence(now=100.0) is None  # nothing open: an idle client waits for nothing
+    watch.opened(now=100.0)  # silence counts from the request's start, not the last message
+    assert watch.silence(now=102.9) is None
+    assert watch.silence(now=103.5) == "tokenizer service stopped answering (3.5s)"
+    assert watch.heard(Pong(actor="tokenizer", boot_id="b1"), now=103.6) is None
+    lost = watch.heard(Pong(actor="tokenizer", boot_id="b2"), now=103.7)
+    assert lost == "tokenizer service restarted; request lost"
+    watch.closed()
+    assert watch.silence(now=200.0) is None
+
+
+# ------------------------------------------------------------- two actors over ipc sockets
+class Probe(Actor):
+    """A real actor with no work of its own: heartbeats and hooks only."""
+
+    inbound = Hello | Ping
+    peers = ("scheduler", "kv_manager")
+
+    def __init__(self, name: str, cfg: RuntimeConfig) -> None:
+        self.name = name
+        super().__init__(cfg)
+        self.deaths: list[tuple[str, str]] = []
+        self.returns: list[str] = []
+        self.changed = trio.Event()
+
+    def on_peer_dead(self, name: str, reason: str) -> None:
+        self.deaths.append((name, reason))
+        self.changed.set()
+
+    def on_peer_back(self, name: str) -> None:
+        self.returns.append(name)
+        self.changed.set()
+
+
+@pytest.fixture
+def heartbeat_clock() -> trio.testing.MockClock:
+    """Mock time that jumps to the next heartbeat once every task has been idle for 50 ms of real
+    time, so an answer already on its way through a socket arrives before the clock moves (an
+    ``autojump_threshold`` of 0 would race the I/O thread, not the code under test)."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+async def test_actor_notices_a_peer_die_and_restart_on_the_mock_clock(heartbeat_clock, tmp_path):
+    cfg = RuntimeConfig(run_dir=str(tmp_path), heartbeat_s=HB).resolve()
+    (tmp_path / "sock").mkdir()
+    watcher = Probe("scheduler", cfg)
+
+    async def wait_change(after: int) -> None:
+        while len(watcher.deaths) + len(watcher.returns) <= after:
+            watcher.changed = trio.Event()
+            await watcher.changed.wait()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watcher.serve)
+
+        async def start_peer() -> tuple[Probe, trio.CancelScope]:
+            peer = Probe("kv_manager", cfg)
+            scope = trio.CancelScope()
+
+            async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                with scope:
+                    await peer.serve(task_status)
+
+            await nursery.start(run)
+            return peer, scope
+
+        first, first_scope = await start_peer()
+        while watcher.liveness.state("kv_manager") is not State.ALIVE:
+            await trio.sleep(HB)
+        assert watcher.liveness.peers["kv_manager"].boot_id == first.boot_id
+        await trio.sleep(20 * HB)  # answering: never declared dead
+        assert watcher.deaths == [] and watcher.down == frozenset()
+
+        first_scope.cancel()  # the peer dies
+        died_at = trio.current_time()
+        await wait_change(0)
+        [(name, reason)] = watcher.deaths
+        assert name == "kv_manager" and reason.startswith("kv_manager died (no heartbeat for")
+        # declared at the first heartbeat after dead_after heartbeats of silence since the last
+        # answer, which came at most one heartbeat before the death
+        assert TIMEOUT - HB < trio.current_time() - died_at <= TIMEOUT + HB
+        assert watcher.down == {"kv_manager"} and watcher.returns == []
+
+        second, second_scope = await start_peer()  # its successor, on the same endpoint
+        await wait_change(1)
+        assert watcher.returns == ["kv_manager"] and watcher.down == frozenset()
+        assert watcher.liveness.peers["kv_manager"].boot_id == second.boot_id
+
+        second_scope.cancel()  # replaced at once, before any heartbeat is missed
+        third, _ = await start_peer()
+        await wait_change(2)
+        assert watcher.deaths[1] == (
+            "kv_manager",
+            f"kv_manager restarted (new boot id {third.boot_id})",
+        )
+        assert watcher.returns == ["kv_manager", "kv_manager"]
+        assert watcher.down == frozenset()
+        nursery.cancel_scope.cancel()

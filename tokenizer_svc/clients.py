@@ -1,0 +1,116 @@
+"""The client endpoint's connections: who is connected, what each has in flight, sending to them.
+
+Clients connect DEALERs to one ROUTER; each is known by its ROUTER identity. Its frames go
+through one ``Outbox`` keyed by that identity (sent at once, or queued in order behind earlier
+frames while its queue is full). A client is gone when a send to it fails (EHOSTUNREACH:
+ROUTER_MANDATORY); an idle client with requests in flight is probed (an unsolicited ``pong``)
+so a disconnect is noticed even while its requests wait. When a client is gone, ``on_gone`` gets
+the runtime-wide ids of the requests it left.
+
+Request ids are scoped to the connection: ``open`` maps the client's own ``request_id`` to a
+runtime-wide id (``messages.tokenizer.scoped_request_id``) that no other request of any connection
+has (nor one of this connection's earlier requests under the same id, which the other actors may
+still be ending), and a client can only look up (and so cancel) its own.
+
+The socket stays in the actor: ``try_send(identity, frame)`` is given in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+
+from actors.runtime.outbox import Outbox
+from messages.codec import encode
+from messages.tokenizer import scoped_request_id
+
+PROBE_S = 0.5  # an idle client with requests in flight is probed this often
+
+
+@dataclass
+class Client:
+    label: str  # "c<n>": names the connection in events
+    requests: dict[str, str] = field(default_factory=dict)  # client's id -> runtime-wide id
+    last_send: float = 0.0  # trio clock
+
+
+class ClientEndpoint:
+    def __init__(
+        self,
+        try_send: Callable[[bytes, bytes], bool],
+        on_gone: Callable[[list[str]], None],
+        boot_id: str,
+        log: Any,
+    ) -> None:
+        self.outbox: Outbox[bytes] = Outbox(try_send, on_gone=self._gone)
+        self.clients: dict[bytes, Client] = {}
+        self._on_gone = on_gone
+        self._boot = boot_id[:6]
+        self._connections = itertools.count(1)
+        self._requests = itertools.count(1)
+        self.log = log
+
+    # ------------------------------------------------------------ requests
+    def open(self, ident: bytes, request_id: str) -> str | None:
+        """The runtime-wide id for the client's new ``request_id``, or None when the client
+        already has a request in flight under that id."""
+        client = self.clients.get(ident)
+        if client is None:
+            client = self.clients[ident] = Client(f"c{next(self._connections)}")
+        if request_id in client.requests:
+            return None
+        internal = scoped_request_id(request_id, f"{self._boot}.{next(self._requests)}")
+        client.requests[request_id] = internal
+        return internal
+
+    def lookup(self, ident: bytes, request_id: str) -> str | None:
+        """The runtime-wide id of this client's request ``request_id`` in flight, if any."""
+        client = self.clients.get(ident)
+        return client.requests.get(request_id) if client is not None else None
+
+    def label(self, ident: bytes) -> str:
+        """The connection's name in events (``c<n>``)."""
+        client = self.clients.get(ident)
+        return client.label if client is not None else "?"
+
+    def close(self, ident: bytes, request_id: str) -> None:
+        """The request ended: its id is free for the client to use again."""
+        client = self.clients.get(ident)
+        if client is not None:
+            client.requests.pop(request_id, None)
+
+    def in_flight(self) -> int:
+        return sum(len(c.requests) for c in self.clients.values())
+
+    # ------------------------------------------------------------ sending
+    def send(self, ident: bytes, msg: msgspec.Struct) -> None:
+        """Send ``msg`` to the client (queued behind earlier frames if its queue is full)."""
+        client = self.clients.get(ident)
+        if client is not None:
+            client.last_send = trio.current_time()
+        self.outbox.send(ident, encode(msg))
+
+    def _gone(self, ident: bytes) -> None:
+        client = self.clients.pop(ident, None)
+        if client is None:
+            return
+        self.log.info("client.disconnected", client=client.label, requests=len(client.requests))
+        self._on_gone(list(client.requests.values()))
+
+    async def probe_loop(self, probe: msgspec.Struct) -> None:
+        """Forget clients with nothing in flight; send ``probe`` to the others that were sent
+        nothing for ``PROBE_S`` (a failed send reveals a client that is gone)."""
+        while True:
+            await trio.sleep(PROBE_S)
+            now = trio.current_time()
+            for ident, client in list(self.clients.items()):
+                if not client.requests:
+                    if not self.outbox.pending(ident):
+                        self.clients.pop(ident, None)
+                elif now - client.last_send >= PROBE_S:
+                    self.send(ident, probe)

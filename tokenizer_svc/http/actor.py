@@ -1,0 +1,155 @@
+"""The ``http`` actor: the OpenAI-compatible HTTP server, a process next to the front door.
+
+It serves the Starlette app under hypercorn's trio worker, talks to the front door over one
+ZeroMQ client connection, and has an inbox of its own that answers pings (``minirt ping http``,
+the supervisor's readiness check: ready once it listens and the front door welcomed it).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, cast
+
+import trio
+
+from actors.runtime.actor import Actor
+from actors.runtime.config import RuntimeConfig
+from actors.runtime.events import configure, get_logger
+from messages.common import Hello, Ping
+from tokenizer_svc.http.app import ACTORS, Server, build_app
+from tokenizer_svc.http.metrics import scheduler_text
+from tokenizer_svc.http.model import ModelInfo
+from tokenizer_svc.http.upstream import Upstream
+
+
+@dataclass
+class HttpSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""
+    served_model_name: str = ""
+
+    @classmethod
+    def of(cls, cfg: RuntimeConfig) -> HttpSettings:
+        """From ``cfg.http`` (``HttpConfig``) when the config has one, else the defaults."""
+        section = getattr(cfg, "http", None)
+        if section is None:
+            return cls()
+        return cls(
+            **{k: getattr(section, k) for k in cls.__dataclass_fields__ if hasattr(section, k)}
+        )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(settings: HttpSettings, allow_remote: bool) -> None:
+    """A non-loopback address needs ``--allow-remote`` and an API key."""
+    if is_loopback(settings.host):
+        return
+    if not allow_remote or not settings.api_key:
+        raise ValueError(
+            f"http: refusing to serve on {settings.host!r}: a non-loopback host needs "
+            "--allow-remote and --api-key"
+        )
+
+
+def inbox_endpoint(cfg: RuntimeConfig) -> str:
+    given = getattr(cfg.endpoints, "http", "")
+    return str(given) if given else f"ipc://{cfg.run_dir}/sock/http"
+
+
+class HttpActor(Actor):
+    name = "http"
+    inbound = Hello | Ping
+    peers = ()
+
+    def __init__(self, cfg: RuntimeConfig, settings: HttpSettings | None = None) -> None:
+        if not getattr(cfg.endpoints, "http", ""):
+            cfg.endpoints.http = inbox_endpoint(cfg)  # type: ignore[attr-defined]
+        super().__init__(cfg)
+        self.settings = settings or HttpSettings.of(cfg)
+        check_bind(self.settings, cfg.security.allow_remote)
+        self.model = ModelInfo.load(cfg.model, self.settings.served_model_name)
+        self.upstream = Upstream(cfg.endpoints.client, cfg.security.curve_dir, self.log)
+        self.url = ""
+
+    async def start_tasks(self, nursery: trio.Nursery) -> None:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve
+
+        server = Server(
+            model=self.model,
+            upstream=self.upstream,
+            endpoints={n: self.cfg.endpoints.of(n) for n in ACTORS},
+            log=self.log,
+            curve=self.curve,
+            api_key=self.settings.api_key,
+            runtime_metrics=self.runtime_metrics,
+            run_dir=self.cfg.run_dir,
+        )
+        config = Config()
+        host = self.settings.host
+        config.bind = [
+            f"[{host}]:{self.settings.port}" if ":" in host else f"{host}:{self.settings.port}"
+        ]
+        config.accesslog = None
+        config.loglevel = "WARNING"
+        config.backlog = 4096
+        config.graceful_timeout = 1.0
+        nursery.start_soon(self.upstream.run)
+        binds = await nursery.start(
+            lambda task_status: serve(cast(Any, build_app(server)), config, task_status=task_status)
+        )
+        self.url = binds[0]
+        self.log.info(
+            "http.listening",
+            url=self.url,
+            model=self.model.served_name,
+            auth=bool(self.settings.api_key),
+        )
+
+    async def runtime_metrics(self) -> bytes:
+        """The scheduler's Prometheus text (``minirt:*`` and ``vllm:*`` names)."""
+        return await scheduler_text(self.cfg.endpoints.of("scheduler"), self.curve)
+
+    def is_ready(self) -> bool:
+        return bool(self.url) and self.upstream.client is not None and self.upstream.alive
+
+    def handle(self, ident: bytes, msg: Any) -> None:
+        """Only pings and hellos come here; the base class answers both."""
+
+
+async def _serve(actor: HttpActor) -> None:
+    log = get_logger()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.serve)
+        log.info("actor.ready", pid=os.getpid())
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+
+
+def run(cfg: RuntimeConfig, settings: HttpSettings | None = None) -> int:
+    """Serve HTTP until SIGTERM/SIGINT (``python -m tokenizer_svc.http``)."""
+    cfg.resolve()
+    configure("http", cfg.run_dir)
+    log = get_logger()
+    try:
+        actor = HttpActor(cfg, settings)
+    except Exception as e:
+        log.exception("actor.failed_to_start", error=str(e))
+        return 2
+    trio.run(_serve, actor)
+    log.info("actor.stopped")
+    return 0

@@ -1,0 +1,229 @@
+"""The Starlette app: routes of the OpenAI-compatible API and the service endpoints.
+
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``. Bodies are validated
+by the pydantic models of ``schemas``; every refusal is an ``ApiError`` in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+import trio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from actors.launch.health import ping
+from tokenizer_svc.http.convert import chat_messages, plan_chat, plan_completion
+from tokenizer_svc.http.errors import ApiError, from_validation, invalid
+from tokenizer_svc.http.gate import Gate
+from tokenizer_svc.http.metrics import HttpMetrics
+from tokenizer_svc.http.model import ModelInfo
+from tokenizer_svc.http.respond import JSON, PlanResponse, error_response
+from tokenizer_svc.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenizer_svc.http.upstream import Upstream
+
+MAX_BODY = 32 * 1024 * 1024
+HEALTH_TIMEOUT_S = 2.0  # an actor busy under load may take a moment to answer
+ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")
+B = TypeVar("B", bound=BaseModel)
+
+
+@dataclass
+class Server:
+    """What the handlers share: the model, the front-door connection, the actors' endpoints."""
+
+    model: ModelInfo
+    upstream: Upstream
+    endpoints: dict[str, str]
+    log: Any
+    curve: Any = None
+    api_key: str = ""
+    runtime_metrics: Callable[[], Awaitable[bytes]] | None = None
+    metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    active: set[str] = field(default_factory=set)
+    run_dir: str = ""  # the event log the dashboard shows (none: no dashboard)
+
+
+async def _body(request: Request, model: type[B]) -> B:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, f"request body over {MAX_BODY} bytes")
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def _unique_id(server: Server, rid: str) -> str:
+    """The front-door id: the request id, unless another request in flight here uses it."""
+    return rid if rid not in server.active else f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
+def build_app(server: Server) -> Gate:
+    async def run_plan(request: Request, kind: str) -> Any:
+        rid = request.state.request_id
+        base = _unique_id(server, rid)
+        if kind == "chat":
+            chat = await _body(request, ChatCompletionRequest)
+            plan = plan_chat(chat, server.model, base)
+        else:
+            comp = await _body(request, CompletionRequest)
+            plan = plan_completion(comp, server.model, base)
+        info = request.state.info
+        info.update(kind=kind, stream=plan.stream, n=len(plan.choices))
+        response = PlanResponse(plan, server.model, server.upstream, rid, info)
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            server.active.add(base)
+            try:
+                await response(scope, receive, send)
+            finally:
+                server.active.discard(base)
+
+        return app
+
+    async def completions(request: Request) -> Any:
+        return await run_plan(request, "completion")
+
+    async def chat_completions(request: Request) -> Any:
+        return await run_plan(request, "chat")
+
+    async def models(request: Request) -> JSON:
+        m = server.model
+        card = {
+            "id": m.served_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "minirt",
+            "root": m.path,
+            "parent": None,
+            "max_model_len": m.max_model_len,
+        }
+        return JSON({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> JSON:
+        status: dict[str, dict[str, Any]] = {}
+
+        async def probe(name: str) -> None:
+            pong = await ping(server.endpoints[name], timeout=HEALTH_TIMEOUT_S, curve=server.curve)
+            status[name] = {"alive": pong is not None, "ready": bool(pong and pong.ready)}
+
+        async with trio.open_nursery() as nursery:
+            for name in ACTORS:
+                nursery.start_soon(probe, name)
+        missing = [n for n in ACTORS if not status[n]["alive"]]
+        if status["scheduler"]["alive"] and not status["scheduler"]["ready"]:
+            missing.append("scheduler (not admitting)")
+        if not server.upstream.alive and "tokenizer" not in missing:
+            missing.append("tokenizer (no client connection)")
+        body: dict[str, Any] = {"status": "ok" if not missing else "unavailable", "actors": status}
+        if missing:
+            body["missing"] = missing
+        return JSON(body, status_code=200 if not missing else 503)
+
+    async def metrics(request: Request) -> Response:
+        text = b""
+        if server.runtime_metrics is not None:
+            with trio.move_on_after(HEALTH_TIMEOUT_S):
+                text = await server.runtime_metrics()
+        return Response(
+            text + server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def version_(request: Request) -> JSON:
+        try:
+            v = version("minirt")
+        except PackageNotFoundError:
+            v = "unknown"
+        return JSON({"version": v})
+
+    async def tokenize(request: Request) -> JSON:
+        req = await _body(request, TokenizeRequest)
+        m = server.model
+        m.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise invalid("prompt", "exactly one of prompt and messages must be given")
+        if req.messages is not None:
+            text = m.tokenizer.apply_chat_template(
+                [{"role": x.role, "content": x.content} for x in chat_messages(req.messages)],
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=False,
+            )
+            ids = list(m.tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(
+                m.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            )
+        return JSON({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
+
+    async def detokenize(request: Request) -> JSON:
+        req = await _body(request, DetokenizeRequest)
+        m = server.model
+        m.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < m.vocab_size]
+        if bad:
+            raise invalid(
+                "tokens", f"tokens: id {bad[0]} outside the vocabulary [0, {m.vocab_size})"
+            )
+        return JSON({"prompt": str(m.tokenizer.decode(req.tokens))})
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        request.state.info["error"] = exc.code or exc.type
+        return error_response(exc)
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error_response(
+                ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
+            )
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+    routes: list[BaseRoute] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version_, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    own_auth: tuple[str, ...] = ()
+    if server.run_dir:
+        try:
+            from tokenizer_svc.http.dashboard import dashboard_routes
+        except ImportError:  # the dashboard is optional
+            pass
+        else:  # its page and event stream check the key themselves (cookie, ?key=, header)
+            routes += dashboard_routes(server.run_dir, server.api_key or None)
+            own_auth = ("/dashboard",)
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            ApiError: on_api_error,
+            HTTPException: on_http_exception,
+            Exception: on_bug,
+        },
+    )
+    return Gate(app, server.log, server.metrics, server.api_key, own_auth)

@@ -1,0 +1,149 @@
+"""Answering one completion request: run its choices against the front door and reply, as one
+JSON body or as a stream of server-sent events.
+
+A streamed reply starts (status 200, headers) with its first content, so a refusal that arrives
+before any (overloaded, actor down, invalid) still gets its own status code. The client's
+connection is watched the whole time: when it goes away, the request's choices are cancelled,
+which cancels them in the front door and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import trio
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from messages import client as cm
+from tokenizer_svc.http.convert import Plan
+from tokenizer_svc.http.errors import ApiError
+from tokenizer_svc.http.model import ModelInfo
+from tokenizer_svc.http.shapes import Choices, chat_body, completion_body
+from tokenizer_svc.http.sse import StreamWriter, body
+from tokenizer_svc.http.upstream import Upstream, run_choices
+
+_encode = msgspec.json.Encoder().encode
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return bytes(_encode(content))
+
+
+def error_response(e: ApiError) -> JSON:
+    return JSON(e.body(), status_code=e.status, headers=e.headers())
+
+
+class PlanResponse:
+    """An ASGI app that runs ``plan`` and answers; ``info`` collects what ``http.response`` logs."""
+
+    def __init__(
+        self, plan: Plan, model: ModelInfo, upstream: Upstream, rid: str, info: dict[str, Any]
+    ) -> None:
+        self.plan = plan
+        self.model = model
+        self.upstream = upstream
+        self.rid = rid
+        self.info = info
+        self.choices = Choices(plan)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.info["upstream_ids"] = [c.generate.request_id for c in self.plan.choices]
+        error: ApiError | None = None
+        try:
+            async with self.upstream.use() as client:
+                send_items, items = trio.open_memory_channel[tuple[int, Any]](math.inf)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run_choices, client, self.plan, send_items)
+                    run = self._stream if self.plan.stream else self._collect
+                    error = await run(scope, receive, send, items, nursery)
+                    nursery.cancel_scope.cancel()
+        except ApiError as e:
+            error = e
+        if error is not None:
+            self.info["error"] = error.code or error.type
+            await error_response(error)(scope, receive, send)
+        self._summarize()
+
+    def _summarize(self) -> None:
+        ch = self.choices
+        self.info["prompt_tokens"] = sum(len(p) for p in self.plan.prompts)
+        self.info["completion_tokens"] = sum(c.tokens for c in ch.by_index.values())
+        self.info["finish_reasons"] = [c.finish_reason for c in ch.by_index.values()]
+        firsts = [c.first_token_t for c in ch.by_index.values() if c.first_token_t]
+        if firsts and "t0" in self.info:
+            self.info["ttft_s"] = round(min(firsts) - self.info["t0"], 6)
+
+    async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` when the client disconnects."""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                self.info["disconnected"] = True
+                scope.cancel()
+                return
+
+    async def _collect(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        items: trio.MemoryReceiveChannel[tuple[int, Any]],
+        nursery: trio.Nursery,
+    ) -> ApiError | None:
+        watch = trio.CancelScope()
+
+        async def watch_until_done() -> None:
+            with watch:
+                await self._watch(receive, nursery.cancel_scope)
+
+        nursery.start_soon(watch_until_done)
+        async for index, msg in items:
+            if isinstance(msg, ApiError):
+                return msg
+            self.choices.feed(index, msg, trio.current_time())
+        watch.cancel()  # a disconnect from here on loses nothing
+        make = chat_body if self.plan.kind == "chat" else completion_body
+        await JSON(make(self.plan, self.choices, self.model, self.rid))(scope, receive, send)
+        return None
+
+    async def _stream(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        items: trio.MemoryReceiveChannel[tuple[int, Any]],
+        nursery: trio.Nursery,
+    ) -> ApiError | None:
+        writer = StreamWriter(self.plan, self.choices, self.model, self.rid)
+        first: list[bytes] = []
+        watch = trio.CancelScope()
+
+        async def watch_until_first() -> None:
+            with watch:
+                await self._watch(receive, nursery.cancel_scope)
+
+        nursery.start_soon(watch_until_first)
+        async for index, msg in items:
+            if isinstance(msg, ApiError):
+                return msg  # nothing was sent yet: answer with the error's own status
+            first = writer.feed(index, msg, trio.current_time())
+            if isinstance(msg, (cm.Delta, cm.Final)) and first:
+                break
+        watch.cancel()  # the streaming response watches the connection from here on
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        response = StreamingResponse(
+            body(writer, first, items), media_type="text/event-stream", headers=headers
+        )
+        await response(scope, receive, send)
+        if not writer.completed:
+            self.info["disconnected"] = True
+            nursery.cancel_scope.cancel()
+        if writer.error is not None:
+            self.info["error"] = writer.error.code or writer.error.type
+        return None

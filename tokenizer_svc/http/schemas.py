@@ -1,0 +1,96 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic.
+
+Fields are spelled as OpenAI (and vLLM, for its extensions) spell them. Unknown fields are accepted
+and ignored (``extra="ignore"``), as OpenAI-compatible servers do: clients routinely send fields
+such as ``best_of: 1`` or ``stop: null``. Range checks live here so an error names the field by
+its HTTP name (``temperature``, ``messages[1].content``); what pydantic cannot express (a value
+that depends on the model, a combination of fields) is checked in ``convert``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Body):
+    type: str = "text"
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1)  # 0 and -1 (vLLM's spelling) both turn it off
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    priority: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, object]] | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

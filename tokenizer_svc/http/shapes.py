@@ -1,0 +1,211 @@
+"""OpenAI's response shapes, built from the front door's messages (pure).
+
+``Choices`` folds ``Delta`` / ``Final`` messages into per-choice state; the functions below turn
+that state into ``text_completion`` / ``chat.completion`` bodies and their streaming chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from messages import client as cm
+from tokenizer_svc.http.convert import Plan
+from tokenizer_svc.http.model import NEG_INF_LOGPROB, ModelInfo
+
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _lp(x: float | None) -> float:
+    return NEG_INF_LOGPROB if x is None or math.isinf(x) or math.isnan(x) else x
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[tuple[int, float, list[cm.TokenLogprob]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: cm.Usage | None = None
+    timings: cm.Timings | None = None
+    first_token_t: float = 0.0
+
+
+class Choices:
+    """Every choice of one request; ``feed`` returns the new text and logprob entries."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.by_index = {c.index: Choice(c.index, c.prompt_index) for c in plan.choices}
+
+    def feed(self, index: int, msg: Any, now: float) -> tuple[str, list]:
+        ch = self.by_index[index]
+        if isinstance(msg, cm.Delta):
+            ch.text.append(msg.text)
+            ch.tokens += len(msg.token_ids)
+            if not ch.first_token_t and msg.token_ids:
+                ch.first_token_t = now
+            new = []
+            if msg.logprobs is not None:
+                tops = msg.top_logprobs or [[] for _ in msg.token_ids]
+                new = list(zip(msg.token_ids, msg.logprobs, tops, strict=False))
+                ch.logprobs.extend(new)
+            return msg.text, new
+        if isinstance(msg, cm.Final):
+            ch.finish_reason = FINISH.get(msg.finish_reason, "stop")
+            ch.usage = msg.usage
+            ch.timings = msg.timings
+        return "", []
+
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.by_index.values())
+
+    def usage(self) -> dict[str, Any]:
+        """Each prompt is counted once, however many choices share it (as OpenAI does)."""
+        prompt = cached = 0
+        for p, ids in enumerate(self.plan.prompts):
+            mine = [c for c in self.by_index.values() if c.prompt_index == p]
+            prompt += len(ids)
+            cached += min((c.usage.cached_tokens if c.usage else 0) for c in mine)
+        completion = sum(c.tokens for c in self.by_index.values())
+        return usage_dict(prompt, completion, cached)
+
+    def choice_usage(self, index: int) -> dict[str, Any]:
+        ch = self.by_index[index]
+        cached = ch.usage.cached_tokens if ch.usage else 0
+        return usage_dict(len(self.plan.prompts[ch.prompt_index]), ch.tokens, cached)
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_logprobs(
+    model: ModelInfo, entries: list[tuple[int, float, list[cm.TokenLogprob]]], offset: int
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; the sampled token is always in the tops."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, lp, top in entries:
+        s = model.token_str(tid)
+        tokens.append(s)
+        lps.append(_lp(lp))
+        d = {model.token_str(t.token_id): _lp(t.logprob) for t in top}
+        d.setdefault(s, _lp(lp))
+        tops.append(d)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_entry(model: ModelInfo, tid: int, lp: float) -> dict[str, Any]:
+    s = model.token_str(tid)
+    return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+
+
+def chat_logprobs(
+    model: ModelInfo, entries: list[tuple[int, float, list[cm.TokenLogprob]]]
+) -> dict[str, Any]:
+    content = []
+    for tid, lp, top in entries:
+        e = _chat_entry(model, tid, lp)
+        e["top_logprobs"] = [_chat_entry(model, t.token_id, t.logprob) for t in top]
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+def completion_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[str, Any]:
+    out = []
+    for c in sorted(choices.by_index.values(), key=lambda c: c.index):
+        echo = plan.echo[c.prompt_index] if plan.echo else ""
+        lps = (
+            completion_logprobs(model, c.logprobs, len(echo)) if plan.logprobs is not None else None
+        )
+        out.append(
+            {
+                "index": c.index,
+                "text": echo + "".join(c.text),
+                "logprobs": lps,
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": plan.created,
+        "model": model.served_name,
+        "choices": out,
+        "usage": choices.usage(),
+    }
+
+
+def chat_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[str, Any]:
+    out = []
+    for c in sorted(choices.by_index.values(), key=lambda c: c.index):
+        out.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": chat_logprobs(model, c.logprobs) if plan.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": plan.created,
+        "model": model.served_name,
+        "choices": out,
+        "usage": choices.usage(),
+    }
+
+
+def chunk(
+    plan: Plan, model: ModelInfo, rid: str, choice: dict[str, Any] | None, usage: Any = None
+) -> dict[str, Any]:
+    """One streaming chunk; ``choice`` None gives the usage-only chunk (``choices: []``)."""
+    chat = plan.kind == "chat"
+    out: dict[str, Any] = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": plan.created,
+        "model": model.served_name,
+        "choices": [] if choice is None else [choice],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def stream_choice(
+    plan: Plan,
+    model: ModelInfo,
+    index: int,
+    text: str | None,
+    entries: list,
+    finish_reason: str | None,
+    offset: int = 0,
+    role: bool = False,
+) -> dict[str, Any]:
+    """The ``choices[0]`` of a chunk: a text delta (``text`` None: none) or the finish."""
+    if plan.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        lps = chat_logprobs(model, entries) if plan.logprobs is not None and entries else None
+        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
+    lps = (
+        completion_logprobs(model, entries, offset)
+        if plan.logprobs is not None and entries
+        else None
+    )
+    return {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish_reason}

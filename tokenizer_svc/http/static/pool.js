@@ -1,0 +1,68 @@
+/* minirt dashboard, the model's KV pool and step strip: block counts over time (free, and
+ * in use / cached-only when the KV manager's events carry them), evictions, steps. */
+(function (MR) {
+  "use strict";
+  const P = MR.Model.prototype;
+
+  P.kvOf = function (e) {
+    const key = e.replica || "";
+    let k = this.kv.get(key);
+    if (!k) { k = { total: 0, blockSize: 0, free: null, inUse: null, cachedOnly: null }; this.kv.set(key, k); }
+    return k;
+  };
+  P.kvSample = function (ts, e) {
+    const k = this.kvOf(e);
+    if (e.in_use !== undefined) k.inUse = Number(e.in_use);
+    if (e.cached_only !== undefined) k.cachedOnly = Number(e.cached_only);
+    else if (e.in_use !== undefined && k.free !== null) k.cachedOnly = k.total - k.free - k.inUse;
+    let total = 0, free = 0, inUse = 0, cachedOnly = 0, split = true;
+    for (const v of this.kv.values()) {
+      total += v.total; free += v.free === null ? v.total : v.free;
+      if (v.inUse === null) split = false; else { inUse += v.inUse; cachedOnly += v.cachedOnly || 0; }
+    }
+    this.kvSamples.push({ ts, total, free, held: total - free, inUse: split ? inUse : null,
+      cachedOnly: split ? cachedOnly : null });
+  };
+
+  P.kvConfig = function (e, r, ts) {
+    const k = this.kvOf(e);
+    k.total = Number(e.num_blocks) || 0; k.blockSize = Number(e.block_size) || 0;
+    k.free = k.total; k.inUse = e.in_use === undefined ? null : 0; k.cachedOnly = null;
+    let total = 0;  // every replica's pool, summed
+    for (const v of this.kv.values()) total += v.total;
+    this.config.num_blocks = total; this.config.block_size = k.blockSize;
+    this.kvSample(ts, e);
+  };
+  P.kvAllocated = function (e, r, ts) {
+    const k = this.kvOf(e); if (e.free !== undefined) k.free = Number(e.free);
+    this.kvSample(ts, e);
+  };
+  P.kvExtended = function (e, r, ts) {
+    const k = this.kvOf(e);
+    if (e.free !== undefined) k.free = Number(e.free);
+    else if (k.free !== null) k.free -= Array.isArray(e.blocks) ? e.blocks.length : Number(e.blocks) || 0;
+    this.kvSample(ts, e);
+  };
+  P.kvEvicted = function (e, r, ts) {
+    const n = Array.isArray(e.blocks) ? e.blocks.length : Number(e.blocks) || 0;
+    const k = this.kvOf(e); if (k.free !== null && e.free === undefined) k.free += n;
+    this.counts.evictions += n;
+    this.marks.push({ ts, kind: "evict", n, rid: e.request_id || "" });
+  };
+  P.kvReleased = function (e, r, ts) {
+    const k = this.kvOf(e); if (e.free !== undefined) k.free = Number(e.free);
+    this.kvSample(ts, e);
+  };
+  P.kvShortage = function (e, r) { if (r) r.shortage = { needed: e.blocks_needed, free: e.blocks_free, evictable: e.blocks_evictable }; }
+  P.kvReset = function (e, r, ts) {
+    const k = this.kvOf(e);
+    if (e.free !== undefined) k.free = Number(e.free);
+    this.kvSample(ts, e);
+  };
+  P.step = function (e, r, ts) {
+    this.steps.push({ ts, step: e.step, requests: Number(e.requests) || 0,
+      prefill: Number(e.prefill_tokens) || 0, decode: Number(e.decode_tokens) || 0,
+      skipped: Number(e.skipped) || 0, forward: Number(e.forward_s) || 0,
+      stepS: Number(e.step_s) || 0, control: Number(e.control_s) || 0, replica: e.replica || "" });
+  };
+})(window.MR = window.MR || {});

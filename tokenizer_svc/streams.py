@@ -1,0 +1,126 @@
+"""One request's output stream, from the executor's token events to the client's messages (pure:
+no sockets, the clock is passed in).
+
+Each ``TokenEvent`` becomes one ``Delta``: the token id, the text it completed (incremental
+detokenization never splits a UTF-8 character), minus anything that might be the start of a stop
+string (held back until the next token decides), plus its logprobs when they were asked for. A
+stop string ends the stream (``stop``, the string as ``stop_reason``, the request aborted
+upstream) unless fewer than the request's ``min_tokens`` tokens have been generated. On the last
+token the held-back text is flushed. ``final`` gives the closing ``Final`` with usage and timings,
+and ``completed`` the scheduler's metrics record of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from messages import client as cm
+from messages.scheduler import Completed
+from messages.tokenizer import TokenEvent
+from tokenizer_svc.detok import IncrementalDetokenizer
+from tokenizer_svc.stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a token ended its stream. ``abort_upstream``: a stop string ended it here, so the
+    scheduler and executor must be told to stop generating."""
+
+    finish_reason: str
+    stop_reason: str | None = None
+    abort_upstream: bool = False
+
+
+class Stream:
+    """The state of one request's output. ``request_id`` is the client's own id (what every
+    message to the client carries)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        tokenizer: Any,
+        prompt_tokens: int,
+        stops: list[str],
+        arrival: float,
+        want_logprobs: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.arrival = arrival
+        self.want_logprobs = want_logprobs
+        self.min_tokens = min_tokens
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(stops)
+        self.first_t = 0.0
+        self.last_t = 0.0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.queue_s = 0.0
+        self.attempts = 0
+
+    def admitted(self, cached_tokens: int, queue_s: float) -> None:
+        """The scheduler admitted the request (again, after a preemption)."""
+        self.cached_tokens = cached_tokens
+        self.queue_s = queue_s
+        self.attempts += 1
+
+    def token(self, ev: TokenEvent, now: float) -> tuple[cm.Delta, Ending | None]:
+        """The client's ``Delta`` for one generated token, and how it ended the stream (or None)."""
+        if not self.first_t:
+            self.first_t = now
+        self.last_t = now
+        self.completion_tokens += 1
+        armed = self.completion_tokens >= self.min_tokens
+        text, matched = self.stops.feed(self.detok.push(ev.token_id), armed)
+        if matched is None and ev.finish_reason is not None:
+            more, matched = self.stops.feed(self.detok.flush(), armed)
+            text += more if matched else more + self.stops.flush()
+        delta = cm.Delta(request_id=self.request_id, text=text, token_ids=[ev.token_id])
+        if self.want_logprobs and ev.logprob is not None:
+            delta.logprobs = [ev.logprob]
+            if ev.top_logprobs:
+                delta.top_logprobs = [[cm.TokenLogprob(t, lp) for t, lp in ev.top_logprobs]]
+        ending = None
+        if matched is not None:
+            ending = Ending("stop", matched, abort_upstream=True)
+        elif ev.finish_reason is not None:
+            ending = Ending(ev.finish_reason)
+        return delta, ending
+
+    def final(self, finish_reason: str, stop_reason: str | None, now: float) -> cm.Final:
+        """The stream's last message, with usage and timings (seconds since arrival)."""
+        n = self.completion_tokens
+        return cm.Final(
+            request_id=self.request_id,
+            finish_reason=finish_reason,
+            usage=cm.Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=n,
+                cached_tokens=self.cached_tokens,
+            ),
+            timings=cm.Timings(
+                queue_s=self.queue_s,
+                ttft_s=(self.first_t - self.arrival) if self.first_t else 0.0,
+                tpot_s=(self.last_t - self.first_t) / (n - 1) if n > 1 else 0.0,
+                total_s=now - self.arrival,
+            ),
+            stop_reason=stop_reason,
+            preemptions=max(0, self.attempts - 1),
+        )
+
+
+def completed(internal_id: str, final: cm.Final) -> Completed:
+    """The scheduler's record (for metrics) of a request that ended with ``final``."""
+    return Completed(
+        request_id=internal_id,
+        finish_reason=final.finish_reason,
+        prompt_tokens=final.usage.prompt_tokens,
+        completion_tokens=final.usage.completion_tokens,
+        cached_tokens=final.usage.cached_tokens,
+        queue_s=final.timings.queue_s,
+        ttft_s=final.timings.ttft_s,
+        tpot_s=final.timings.tpot_s,
+        e2e_s=final.timings.total_s,
+    )
