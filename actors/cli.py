@@ -45,8 +45,11 @@ _BENCH_MODES = {
     "transport": "actors.bench.transport",  # messages/s and round-trip latency between processes
     "scheduler": "actors.bench.scheduler",  # one scheduling decision vs queue size
     "serve": "actors.bench.serve",  # a workload through a running runtime, with a report
+    "scale-out": "actors.bench.scale_out",  # W2 through the router to replicas vs one instance
+    "replay": "actors.replay.acceptance",  # replay's acceptance report (records real runs)
     "scaling": "actors.bench.scaling",  # decode speed vs batch size and context, minirt and vLLM
     "quality": "actors.bench.quality",  # bf16 vs transformers fp32 under teacher forcing
+    "structured": "actors.bench.structured",  # constrained vs free tok/s at batch 64
 }
 
 
@@ -112,16 +115,31 @@ def config_from_args(args: argparse.Namespace) -> Any:
     return config.load(args.config, overrides)
 
 
-@command("up", _config_args)
+def _up_args(p: argparse.ArgumentParser) -> None:
+    from actors.launch.replicas import add_cluster_args
+
+    _config_args(p)
+    add_cluster_args(p)
+
+
+@command("up", _up_args)
 def _up(args: argparse.Namespace) -> int:
+    import os
+
     import trio
 
     from actors.launch.supervisor import prepare, run_up
     from actors.runtime.events import configure
 
     cfg = config_from_args(args)
+    if args.replicas:  # N instances behind the router (docs/scale-out.md)
+        from actors.launch.cluster import up_cluster
+
+        return up_cluster(args, _config_args, cfg)
+    if cfg.replica:  # every actor of this instance labels its events with the replica's name
+        os.environ["MINIRT_REPLICA"] = cfg.replica
     path = prepare(cfg)
-    configure("supervisor", cfg.run_dir, stdout=False)
+    configure("supervisor", cfg.run_dir, stdout=False, replica=cfg.replica)
     print(
         f"minirt: model {cfg.model}, run dir {cfg.run_dir}, {cfg.kv.num_blocks} KV blocks",
         file=sys.stderr,
@@ -134,7 +152,7 @@ def _up(args: argparse.Namespace) -> int:
 def _actor_args(p: argparse.ArgumentParser) -> None:
     from actors.runtime.config import ACTORS
 
-    p.add_argument("name", choices=ACTORS)
+    p.add_argument("name", choices=(*ACTORS, "http"))
     _config_args(p)
 
 
@@ -228,12 +246,17 @@ def _events_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request", help="only this request id")
     p.add_argument("--event", help="only events with this name (prefix match: 'kv.' works)")
     p.add_argument("--json", action="store_true", help="raw JSON lines")
+    p.add_argument("--html", metavar="FILE", help="write the dashboard's views as one HTML file")
 
 
 @command("events", _events_args)
 def _events(args: argparse.Namespace) -> int:
     from actors.eventlog import show_events
 
+    if args.html:
+        from actors.dashboard_export import export_html
+
+        return export_html(args.run_dir, args.html, request_id=args.request)
     return show_events(
         args.run_dir, follow=args.follow, request=args.request, event=args.event, as_json=args.json
     )
@@ -242,13 +265,31 @@ def _events(args: argparse.Namespace) -> int:
 def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("request_id")
     p.add_argument("--run-dir", default=".minirt")
+    p.add_argument("--html", metavar="FILE", help="write the dashboard, open on this request")
 
 
 @command("trace", _trace_args)
 def _trace(args: argparse.Namespace) -> int:
     from actors.eventlog import trace
 
+    if args.html:
+        from actors.dashboard_export import export_html
+
+        return export_html(args.run_dir, args.html, request_id=args.request_id)
     return trace(args.run_dir, args.request_id)
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    from actors.replay.cli import build_args
+
+    build_args(p)
+
+
+@command("replay", _replay_args)
+def _replay(args: argparse.Namespace) -> int:
+    from actors.replay.cli import run_checked
+
+    return run_checked(args, sys.argv[2:])
 
 
 def _keys_args(p: argparse.ArgumentParser) -> None:
@@ -273,7 +314,7 @@ def _keys(args: argparse.Namespace) -> int:
 def _ping_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "target",
-        help="actor name (tokenizer, scheduler, kv_manager, executor, client) or an endpoint",
+        help="actor name (tokenizer, scheduler, kv_manager, executor, http, client) or an endpoint",
     )
     p.add_argument("--run-dir", help="default: MINIRT_RUN_DIR, else .minirt")
     p.add_argument("--timeout", type=float, default=2.0)
@@ -294,7 +335,7 @@ def _ping(args: argparse.Namespace) -> int:
     cfg = config.load(overrides=overrides).resolve()
     target = args.target
     if "://" not in target:
-        names = ("client", *config.ACTORS)
+        names = ("client", *config.ACTORS, "http")
         if target not in names:
             print(
                 f"minirt ping: {target!r} is not one of {', '.join(names)} nor an endpoint",

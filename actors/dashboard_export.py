@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.eventlog import matches, read_events
+from tokenizer_svc.http.dashboard import STATIC
 
-STATIC = Path(__file__).resolve().parent.parent / "tokenizer_svc" / "http" / "static"
 SCRIPTS = ("state.js", "pool.js", "views.js", "charts.js", "panels.js", "dashboard.js")
 # the file may run its own inline code and nothing else: no request leaves it
 CSP = (

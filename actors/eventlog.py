@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from messages.tokenizer import client_request_id
 
-_BASE = ("ts", "actor", "event", "level", "request_id")
+_BASE = ("ts", "actor", "event", "level", "request_id", "replica")
 WAIT_EVENTS = (
     "admission.refused",
     "kv.refused",
@@ -24,16 +24,33 @@ WAIT_EVENTS = (
 )
 
 
+def event_files(run_dir: str | Path) -> list[tuple[Path, str | None]]:
+    """RUN_DIR/events/*.jsonl, then each replica's RUN_DIR/NAME/events/*.jsonl (``minirt up
+    --replicas``, or logs copied from several hosts into one directory), with NAME."""
+    run = Path(run_dir)
+    files: list[tuple[Path, str | None]] = [(p, None) for p in sorted(run.glob("events/*.jsonl"))]
+    return files + [(p, p.parent.parent.name) for p in sorted(run.glob("*/events/*.jsonl"))]
+
+
+def _parse(line: str, replica: str | None) -> dict[str, Any] | None:
+    try:
+        e = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if replica is not None and isinstance(e, dict):
+        e.setdefault("replica", replica)  # lines written before the replica had a name
+    return e if isinstance(e, dict) else None
+
+
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every event of every actor, sorted by timestamp."""
+    """Every event of every actor (of every replica), sorted by timestamp."""
     events: list[dict[str, Any]] = []
-    for path in sorted((Path(run_dir) / "events").glob("*.jsonl")):
+    for path, replica in event_files(run_dir):
         with path.open(encoding="utf-8", errors="replace") as f:
             for line in f:
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+                e = _parse(line, replica)
+                if e is not None:
+                    events.append(e)
     events.sort(key=lambda e: e.get("ts", 0.0))
     return events
 
@@ -64,14 +81,20 @@ def format_event(e: dict[str, Any]) -> str:
         for k, v in e.items()
         if k not in _BASE
     )
-    return f"{ts} {e.get('actor', '?'):<10} {e.get('event', '?'):<22} {('[' + rid[:12] + ']') if rid else ''} {rest}".rstrip()
+    return f"{ts} {who(e):<10} {e.get('event', '?'):<22} {('[' + rid[:12] + ']') if rid else ''} {rest}".rstrip()
+
+
+def who(e: dict[str, Any]) -> str:
+    """The event's actor, as ``REPLICA/ACTOR`` when it belongs to a replica."""
+    actor = str(e.get("actor", "?"))
+    return f"{e['replica']}/{actor}" if e.get("replica") else actor
 
 
 def _follow(run_dir: Path) -> Iterator[dict[str, Any]]:
     offsets: dict[Path, int] = {}
     while True:
         batch: list[dict[str, Any]] = []
-        for path in sorted((run_dir / "events").glob("*.jsonl")):
+        for path, replica in event_files(run_dir):
             with path.open(encoding="utf-8", errors="replace") as f:
                 f.seek(offsets.get(path, 0))
                 while True:
@@ -80,10 +103,9 @@ def _follow(run_dir: Path) -> Iterator[dict[str, Any]]:
                     if not line.endswith("\n"):
                         f.seek(pos)
                         break
-                    try:
-                        batch.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass
+                    e = _parse(line, replica)
+                    if e is not None:
+                        batch.append(e)
                 offsets[path] = f.tell()
         batch.sort(key=lambda e: e.get("ts", 0.0))
         yield from batch
@@ -100,7 +122,7 @@ def show_events(
     out: TextIO = sys.stdout,
 ) -> int:
     run = Path(run_dir)
-    if not (run / "events").is_dir():
+    if not (run / "events").is_dir() and not any(run.glob("*/events")):
         print(
             f"no events under {run}/events (is minirt up running with --run-dir {run}?)",
             file=sys.stderr,
@@ -123,9 +145,9 @@ def trace_lines(events: list[dict[str, Any]], request_id: str) -> list[str]:
     that several connections used, each of those requests is traced in turn, under a header."""
     mine = [e for e in events if matches(e, request_id, None)]
     ids = {e["request_id"] for e in mine if is_request(e.get("request_id"), request_id)}
+    lines = _served_by(mine)
     if len(ids) <= 1:
-        return _trace_block(mine)
-    lines = []
+        return lines + _trace_block(mine)
     for rid in sorted(
         ids, key=lambda r: next(e.get("ts", 0.0) for e in mine if e["request_id"] == r)
     ):
@@ -134,6 +156,17 @@ def trace_lines(events: list[dict[str, Any]], request_id: str) -> list[str]:
             [e for e in mine if rid in (e.get("request_id"), e.get("for_request"))]
         )
     return lines
+
+
+def _served_by(mine: list[dict[str, Any]]) -> list[str]:
+    """With replicas: which one completed the request (and which others saw it, e.g. a retry)."""
+    seen = list(dict.fromkeys(str(e["replica"]) for e in mine if e.get("replica")))
+    if not seen:
+        return []
+    done = [str(e["replica"]) for e in mine if e.get("event") == "client.completed"]
+    head = f"served by {done[-1]}" if done else "not completed"
+    others = [r for r in seen if r not in done[-1:]]
+    return [head + (f" (also seen by {', '.join(others)})" if others else "")]
 
 
 def _trace_block(mine: list[dict[str, Any]]) -> list[str]:
@@ -145,9 +178,7 @@ def _trace_block(mine: list[dict[str, Any]]) -> list[str]:
         offset = (e.get("ts", 0.0) - t0) * 1000
         detail = " ".join(f"{k}={v}" for k, v in e.items() if k not in _BASE)
         why = "  <- waited: " if e.get("event") in WAIT_EVENTS else "  "
-        lines.append(
-            f"+{offset:9.3f} ms  {e.get('actor', '?'):<10} {e.get('event', '?'):<22}{why}{detail}"
-        )
+        lines.append(f"+{offset:9.3f} ms  {who(e):<10} {e.get('event', '?'):<22}{why}{detail}")
     return lines
 
 

@@ -117,6 +117,8 @@ class ExecutorActor(Actor):
                     forward_s=round(result.forward_s, 6),
                     step_s=round(t2 - t1, 6),
                     control_s=round((t1 - t0) + (t3 - t2), 6),
+                    decode_ctx=result.decode_ctx,
+                    prefill_ctx=result.prefill_ctx,
                 )
 
     # -------------------------------------------------------------- inbound
@@ -130,6 +132,9 @@ class ExecutorActor(Actor):
                     num_blocks=self.ex.num_blocks,
                     block_size=self.ex.block_size,
                     max_model_len=self.ex.max_model_len,
+                    structured_hits=self.ex.structured.cache.hits,
+                    structured_misses=self.ex.structured.cache.misses,
+                    structured_cached=len(self.ex.structured.cache),
                 ),
             )
             return

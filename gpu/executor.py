@@ -26,10 +26,10 @@ from gpu.requests import (
     TokenOutput,
     check_request,
 )
-from gpu.sampling import is_greedy, logprobs_of, sample
+from gpu.sampling import is_greedy, row_logprobs, sample
 from gpu.step_plan import StepBudget, plan_step
 from gpu.structured.engine import StructuredEngine
-from gpu.structured.grammar import Compiled, GrammarError
+from gpu.structured.grammar import Compiled
 from messages.common import SamplingParams
 
 __all__ = ["Executor", "ExecutorInputError", "StepResult", "TokenOutput"]
@@ -154,15 +154,7 @@ class Executor:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
         )
-        state = None
-        if params.structured is not None:
-            try:
-                compiled = grammar or self.structured.compile(params.structured)[0]
-                state = self.structured.state(compiled, prompt, prior_output_tokens)
-            except GrammarError as e:
-                raise ExecutorInputError(request_id, e.field, e.reason) from None
-            except ValueError as e:
-                raise ExecutorInputError(request_id, "prior_output_tokens", str(e)) from None
+        state = self.structured.state(request_id, params, prompt, prior_output_tokens, grammar)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -233,6 +225,8 @@ class Executor:
         if not decodes and not chunks:
             return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
 
+        decode_ctx = sum(r.computed for r in decodes)  # the step's shape, for step-time models
+        prefill_ctx = sum(c * (r.computed + c) for r, c in chunks)
         ids = [r.out[-1] for r in decodes]
         pos = [r.computed for r in decodes]
         logit_rows = list(range(len(decodes)))
@@ -263,13 +257,15 @@ class Executor:
             self.cache,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
-        tm = time.perf_counter()
-        masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
-        mask_s = time.perf_counter() - tm
+        masked, mask_s = logits, 0.0
+        if masking is not None:
+            tm = time.perf_counter()
+            masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
+            mask_s = time.perf_counter() - tm
         tokens_t = self._sample(masked, samplers)
         tokens = tokens_t.tolist()
         forward_s = time.perf_counter() - t1
-        lps, tops = self._logprobs(logits, tokens_t, samplers)  # raw: before the mask
+        lps, tops = row_logprobs(logits, tokens_t, [r.params for r in samplers])  # before the mask
 
         outputs: list[TokenOutput] = []
         failed: list[tuple[str, str, str]] = []
@@ -330,6 +326,8 @@ class Executor:
             mask_s,
             sum(r.grammar is not None for r in samplers),
             failed,
+            decode_ctx=decode_ctx,
+            prefill_ctx=prefill_ctx,
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
@@ -341,24 +339,11 @@ class Executor:
         if procs:
             logits = apply_processors(logits, procs)
         if all(is_greedy(r.params) for r in reqs):
-            return logits.argmax(dim=-1)
+            # same indices as argmax (first maximum), 3x faster on CPU: [64, 32000] 2.5 -> 0.85 ms
+            return logits.max(dim=-1).indices
         return sample(
             logits,
             [r.params for r in reqs],
             [r.seed for r in reqs],
             [r.prior + len(r.out) for r in reqs],
         )
-
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, reqs: list[RequestState]):
-        """Per sampling row: (sampled logprob or None, top list or None)."""
-        none: list = [None] * len(reqs)
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not want:
-            return none, list(none)
-        top_n = max(reqs[i].params.logprobs or 0 for i in want)
-        chosen, tops = logprobs_of(logits[want], tokens[want], top_n)
-        lps, top_out = list(none), list(none)
-        for j, i in enumerate(want):
-            lps[i] = chosen[j]
-            top_out[i] = tops[j][: reqs[i].params.logprobs]
-        return lps, top_out

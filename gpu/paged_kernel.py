@@ -6,9 +6,11 @@ a fresh ``[kv_heads, B, L, head_dim]`` copy, then reads that copy twice (scores,
 passes over the context. This kernel reads each block where it lies, once per pass, with no copy
 and no padding: per (request, KV head) it scores the group's query heads against the context,
 takes the softmax and sums the values, accumulating in float32 (K/V in float32 or bfloat16).
-Measured on the bench model's shapes (batch 64, contexts 64..288, one thread, thread time, min of
-30, interleaved with the tensor path): one layer's decode attention 2.5-2.8 ms -> 1.6-1.7 ms in
-float32, 1.8-1.9 -> 1.1-1.3 ms in bfloat16; a whole batch-64 decode step 78 -> 62 ms.
+Measured (one thread, thread time, min of 30, interleaved with the tensor path; load on the
+machine): bench model shapes, batch 64, contexts 32..288: one layer's decode attention 2.55 ->
+1.39 ms in float32, 1.98 -> 1.06 ms in bfloat16; the 0.39B model's 14/2 heads, batch 16, contexts
+~2,150: 7.8 -> 5.3 ms. A whole batch-64 decode step of the bench model: 78 -> 62 ms (before the
+head_dim specialization).
 
 It is built with OpenMP against torch's own OpenMP runtime, so it shares torch's thread pool and
 thread count. Results differ from the tensor path by float rounding only (a different summation
@@ -46,6 +48,52 @@ static inline void st_bf16(void *p, int64_t i, float v) {
     ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }
 
+/* One (request, KV head) task. Inlined into callers with a constant head_dim D (64, 128) so the
+   per-position loops unroll and vectorize fully; D = d for other sizes. */
+#define BODY(LD, ST, D)                                                                       \
+    {                                                                                         \
+        int64_t L = lens[r];                                                                  \
+        /* one buffer: queries, accumulators, one K/V row, softmax sums, scores */            \
+        float *qv = (float *)malloc(sizeof(float) * (2 * g * D + D + g + g * L + 1));        \
+        float *acc = qv + g * D, *kv = acc + g * D, *sum = kv + D, *s = sum + g;              \
+        for (int64_t j = 0; j < g; j++)                                                       \
+            for (int64_t e = 0; e < D; e++) {                                                 \
+                qv[j * D + e] = LD(q, (r * heads + h * g + j) * D + e) * scale;               \
+                acc[j * D + e] = 0.f;                                                         \
+            }                                                                                 \
+        const int64_t *tab = tables + r * max_blocks;                                         \
+        for (int64_t l = 0; l < L; l++) {                                                     \
+            int64_t row = h * num_slots + tab[l / bs] * bs + l % bs;                          \
+            for (int64_t e = 0; e < D; e++) kv[e] = LD(kc, row * D + e);                      \
+            for (int64_t j = 0; j < g; j++) {                                                 \
+                const float *qj = qv + j * D;                                                 \
+                float t = 0.f;                                                                \
+                for (int64_t e = 0; e < D; e++) t += qj[e] * kv[e];                           \
+                s[j * L + l] = t;                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t j = 0; j < g; j++) {                                                     \
+            float *sj = s + j * L, m = -INFINITY, tot = 0.f;                                  \
+            for (int64_t l = 0; l < L; l++) m = sj[l] > m ? sj[l] : m;                        \
+            for (int64_t l = 0; l < L; l++) { sj[l] = expf(sj[l] - m); tot += sj[l]; }        \
+            sum[j] = tot;                                                                     \
+        }                                                                                     \
+        for (int64_t l = 0; l < L; l++) {                                                     \
+            int64_t row = h * num_slots + tab[l / bs] * bs + l % bs;                          \
+            for (int64_t e = 0; e < D; e++) kv[e] = LD(vc, row * D + e);                      \
+            for (int64_t j = 0; j < g; j++) {                                                 \
+                float p = s[j * L + l], *aj = acc + j * D;                                    \
+                for (int64_t e = 0; e < D; e++) aj[e] += p * kv[e];                           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t j = 0; j < g; j++) {                                                     \
+            float inv = 1.f / sum[j];                                                         \
+            for (int64_t e = 0; e < D; e++)                                                   \
+                ST(out, (r * heads + h * g + j) * D + e, acc[j * D + e] * inv);               \
+        }                                                                                     \
+        free(qv);                                                                             \
+    }
+
 #define DEFINE(NAME, LD, ST)                                                                  \
 void NAME(const void *q, const void *kc, const void *vc, const int64_t *tables,              \
           const int64_t *lens, int64_t n, int64_t heads, int64_t kvh, int64_t d, int64_t bs, \
@@ -54,46 +102,9 @@ void NAME(const void *q, const void *kc, const void *vc, const int64_t *tables, 
     _Pragma("omp parallel for collapse(2) schedule(dynamic)")                                 \
     for (int64_t r = 0; r < n; r++) {                                                         \
         for (int64_t h = 0; h < kvh; h++) {                                                   \
-            int64_t L = lens[r];                                                              \
-            /* one buffer: queries, accumulators, one K/V row, softmax sums, scores */        \
-            float *qv = (float *)malloc(sizeof(float) * (2 * g * d + d + g + g * L + 1));    \
-            float *acc = qv + g * d, *kv = acc + g * d, *sum = kv + d, *s = sum + g;          \
-            for (int64_t j = 0; j < g; j++)                                                   \
-                for (int64_t e = 0; e < d; e++) {                                             \
-                    qv[j * d + e] = LD(q, (r * heads + h * g + j) * d + e) * scale;           \
-                    acc[j * d + e] = 0.f;                                                     \
-                }                                                                             \
-            const int64_t *tab = tables + r * max_blocks;                                     \
-            for (int64_t l = 0; l < L; l++) {                                                 \
-                int64_t row = h * num_slots + tab[l / bs] * bs + l % bs;                      \
-                for (int64_t e = 0; e < d; e++) kv[e] = LD(kc, row * d + e);                  \
-                for (int64_t j = 0; j < g; j++) {                                             \
-                    const float *qj = qv + j * d;                                             \
-                    float t = 0.f;                                                            \
-                    for (int64_t e = 0; e < d; e++) t += qj[e] * kv[e];                       \
-                    s[j * L + l] = t;                                                         \
-                }                                                                             \
-            }                                                                                 \
-            for (int64_t j = 0; j < g; j++) {                                                 \
-                float *sj = s + j * L, m = -INFINITY, tot = 0.f;                              \
-                for (int64_t l = 0; l < L; l++) m = sj[l] > m ? sj[l] : m;                    \
-                for (int64_t l = 0; l < L; l++) { sj[l] = expf(sj[l] - m); tot += sj[l]; }    \
-                sum[j] = tot;                                                                 \
-            }                                                                                 \
-            for (int64_t l = 0; l < L; l++) {                                                 \
-                int64_t row = h * num_slots + tab[l / bs] * bs + l % bs;                      \
-                for (int64_t e = 0; e < d; e++) kv[e] = LD(vc, row * d + e);                  \
-                for (int64_t j = 0; j < g; j++) {                                             \
-                    float p = s[j * L + l], *aj = acc + j * d;                                \
-                    for (int64_t e = 0; e < d; e++) aj[e] += p * kv[e];                       \
-                }                                                                             \
-            }                                                                                 \
-            for (int64_t j = 0; j < g; j++) {                                                 \
-                float inv = 1.f / sum[j];                                                     \
-                for (int64_t e = 0; e < d; e++)                                               \
-                    ST(out, (r * heads + h * g + j) * d + e, acc[j * d + e] * inv);           \
-            }                                                                                 \
-            free(qv);                                                                         \
+            if (d == 64) BODY(LD, ST, 64)                                                     \
+            else if (d == 128) BODY(LD, ST, 128)                                              \
+            else BODY(LD, ST, d)                                                              \
         }                                                                                     \
     }                                                                                         \
 }
@@ -112,13 +123,28 @@ def _torch_gomp() -> str | None:
     return libs[0] if libs else None
 
 
+def _cpu_id() -> str:
+    """The CPU's model name and feature flags (Linux), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        import platform
+
+        return platform.processor() + platform.machine()
+
+
 def _build() -> ctypes.CDLL | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
     gomp = _torch_gomp()
     link = [gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}"] if gomp else []
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS + link) + cc).encode()).hexdigest()[:16]
+    # -march=native: the build is only valid on this CPU model, so the key names it too (a home
+    # directory shared between machines must not hand one machine another's instructions)
+    key_src = _SOURCE + " ".join(_FLAGS + link) + cc + _cpu_id()
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minirt" / "kernels"
     so = cache / f"paged_decode_{key}.so"
     if not so.exists():

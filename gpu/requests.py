@@ -58,6 +58,8 @@ class StepResult:
     mask_s: float = 0.0
     num_constrained: int = 0
     failed: list[tuple[str, str, str]] = field(default_factory=list)
+    decode_ctx: int = 0  # sum of the decodes' context lengths (keys their attention reads)
+    prefill_ctx: int = 0  # sum over prefill chunks of chunk * (start + chunk)
 
 
 @dataclass

@@ -114,3 +114,20 @@ def logprobs_of(
     vals, ids = lp.topk(top_n, dim=-1)
     tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
     return chosen, tops
+
+
+def row_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+) -> tuple[list, list]:
+    """Per row: (sampled logprob or None, top list or None), for the rows that ask for them."""
+    none: list = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return none, list(none)
+    top_n = max(params[i].logprobs or 0 for i in want)
+    chosen, tops = logprobs_of(logits[want], tokens[want], top_n)
+    lps, top_out = list(none), list(none)
+    for j, i in enumerate(want):
+        lps[i] = chosen[j]
+        top_out[i] = tops[j][: params[i].logprobs]
+    return lps, top_out

@@ -14,7 +14,8 @@ class Welcome(Msg, tag="welcome"):
     means the runtime does not serve yet (an actor is missing or restarting, or the scheduler is
     not admitting); ``reason`` names what it waits for. A client sends ``hello`` again (or
     ``ping``: the ``pong`` carries ``ready`` too) until it is ready. ``boot_id`` changes when the
-    service restarts (the requests in flight are then lost)."""
+    service restarts (the Python clients then resume their requests in flight, sending
+    ``Generate.resume_ids``)."""
 
     version: int
     model: str

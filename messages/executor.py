@@ -50,11 +50,16 @@ class Stats(Msg, tag="x_stats"):
 
 
 class ExecutorStats(Msg, tag="x_stats_reply"):
+    """``structured_*``: the grammar cache's hits, misses and size (structured output)."""
+
     running: int
     steps: int
     num_blocks: int
     block_size: int
     max_model_len: int
+    structured_hits: int = 0
+    structured_misses: int = 0
+    structured_cached: int = 0
 
 
 ExecutorInbound = Hello | Ping | Run | Extend | Preempt | Stop | Stats

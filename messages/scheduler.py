@@ -13,6 +13,12 @@ class Submit(Msg, tag="submit"):
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float  # wall-clock seconds when the tokenizer received it
+    # A resumed request (its attempt died with an actor): the tokens it already generated and
+    # the client already received. They follow ``prompt_ids`` in the next attempt (recompute),
+    # count against ``params.max_tokens``, and seeded sampling resumes at their output index.
+    output_ids: list[int] = []
+    resumes: int = 0  # how many lost attempts (admitted, or streaming) were resumed
+    resume_reason: str = ""  # set on every submission after a loss: why (the actor that died)
 
 
 class Abort(Msg, tag="abort"):
@@ -100,6 +106,16 @@ class Completed(Msg, tag="completed"):
     e2e_s: float = 0.0
 
 
+class MetricsQuery(Msg, tag="metrics"):
+    """Anyone -> scheduler: answered on the same connection with ``MetricsText``."""
+
+
+class MetricsText(Msg, tag="metrics_text"):
+    """The scheduler's Prometheus metrics, text exposition format (``minirt:*`` and ``vllm:*``)."""
+
+    text: str
+
+
 SchedulerInbound = (
     Hello
     | Ping
@@ -111,4 +127,5 @@ SchedulerInbound = (
     | RequestDone
     | PrefillDone
     | Completed
+    | MetricsQuery
 )

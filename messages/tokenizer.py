@@ -45,6 +45,9 @@ class Generate(Msg, tag="generate"):
     request_id: str = ""
     stop: list[str] = []
     add_special_tokens: bool = True
+    # Resuming a request after the service restarted: the token ids the client already received
+    # (in order). The service continues after them: only new tokens are streamed.
+    resume_ids: list[int] = []
 
 
 class Cancel(Msg, tag="cancel"):

@@ -60,6 +60,14 @@ def random_ids(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def health(url: str, timeout: float = 10.0) -> httpx.Response | None:
+    """``GET /health``, or None when it does not answer (a loaded machine, a restart)."""
+    try:
+        return httpx.get(url + "/health", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+
+
 def wait_healthy(url: str, timeout: float = 60.0, headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     last = ""
@@ -85,31 +93,9 @@ def start_http_runtime(
     if api_key:
         http_flags += ["--api-key", api_key]
     url = f"http://127.0.0.1:{port}"
-    from actors.runtime.config import RuntimeConfig
-
-    if hasattr(RuntimeConfig(), "http"):
-        with start_runtime(model, run_dir, *flags, *http_flags) as rt:
-            wait_healthy(url)
-            yield HttpRuntime(rt, url, model)
-        return
-    # TEMPORARY until `minirt up` starts the HTTP actor itself
-    import subprocess
-    import sys
-
-    with start_runtime(model, run_dir, *flags) as rt:
-        cfg = str(rt.run_dir / "config.json")
-        cmd = [sys.executable, "-m", "tokenizer_svc.http", "--config", cfg, "--port", str(port)]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        log = (rt.run_dir / "logs" / "http.log").open("ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(url)
-            yield HttpRuntime(rt, url, model)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=15)
-            log.close()
+    with start_runtime(model, run_dir, *flags, *http_flags) as rt:
+        wait_healthy(url)
+        yield HttpRuntime(rt, url, model)
 
 
 def hf_chat_ids(model_dir: Path, messages: list[dict[str, str]]) -> list[int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -215,3 +217,26 @@ def test_static_export_embeds_events_safely_and_fetches_nothing(run_dir, tmp_pat
     assert export_html(run_dir, out) == 0 and "request.queued" in out.read_text()
     assert export_html(run_dir, tmp_path / "r.html", request_id="nobody") == 1
     assert export_html(tmp_path / "missing", tmp_path / "m.html") == 1
+
+
+def test_cli_writes_the_export_for_a_run_and_for_a_request(run_dir, tmp_path):
+    cli = [sys.executable, "-m", "actors.cli"]
+    out = tmp_path / "all.html"
+    done = subprocess.run(
+        [*cli, "events", "--run-dir", str(run_dir), "--html", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert '"scheduler.config"' in out.read_text()
+    one = tmp_path / "a.html"
+    done = subprocess.run(
+        [*cli, "trace", "a", "--run-dir", str(run_dir), "--html", str(one)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert '"focus":"a"' in one.read_text()
+    done = subprocess.run(
+        [*cli, "trace", "nobody", "--run-dir", str(run_dir), "--html", str(one)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "no events for request nobody" in done.stderr

@@ -24,30 +24,38 @@ import trio
 from actors.client import open_client
 from actors.dashboard_export import export_html
 from tests.http_server import start_http_runtime
+from tests.runtime import kv_stats
 
 INSTALL = "apt-get install -y chromium chromium-driver && .venv/bin/pip install selenium"
 CAPS = {
     "requests": 40,
     "steps": 200,
-    "kv": 300,
-    "hits": 60,
+    "kv": 1500,
+    "hits": 200,
     "marks": 60,
     "tail": 50,
     "events_per_request": 80,
 }
-SNAPSHOT = """
-const out = {};
-for (const id of arguments[0]) {
-  const row = document.querySelector(`tr[data-client-id="${id}"]`);
-  if (!row) { out[id] = null; continue; }
-  const cached = row.querySelector("td.cached");
-  out[id] = { table: row.closest("table").id, why: row.dataset.why || null,
-    needed: row.dataset.blocksNeeded || null, free: row.dataset.blocksFree || null,
-    evictable: row.dataset.blocksEvictable || null,
-    text: (row.querySelector("td.why") || {}).textContent || "",
-    cached: cached && cached.dataset.cached !== undefined ? Number(cached.dataset.cached) : null };
-}
-return out;
+# Records every state the page renders for the watched requests (a MutationObserver sees each
+# render, so no state shown for a moment is missed between two polls of the test).
+RECORD = """
+const ids = arguments[0], seen = window.__seen = {};
+const snap = () => {
+  for (const id of ids) {
+    const row = document.querySelector(`tr[data-client-id="${id}"]`);
+    if (!row) continue;
+    const cached = row.querySelector("td.cached");
+    const o = { table: row.closest("table").id, why: row.dataset.why || null,
+      needed: row.dataset.blocksNeeded || null, free: row.dataset.blocksFree || null,
+      evictable: row.dataset.blocksEvictable || null,
+      text: (row.querySelector("td.why") || {}).textContent || "",
+      cached: cached && cached.dataset.cached !== undefined ? Number(cached.dataset.cached) : null,
+      t: Math.round(performance.now()) };
+    const list = seen[id] = seen[id] || [], last = list[list.length - 1];
+    if (!last || ["table", "why", "needed", "free", "evictable", "text", "cached"].some((k) => last[k] !== o[k])) list.push(o);
+  }
+};
+new MutationObserver(snap).observe(document.body, { subtree: true, childList: true, attributes: true, characterData: true });
 """
 MEMORY = """
 if (window.gc) { window.gc(); }
@@ -109,11 +117,11 @@ def _shot(drv: Any, tmp_path: Path, name: str) -> None:
         shutil.copy(tmp_path / name, Path(keep) / name)
 
 
-def _order(obs: list[dict[str, Any] | None]) -> list[str]:
+def _order(obs: list[dict[str, Any]]) -> list[str]:
     """The tables a request was seen in, in order, without repeats."""
     seq: list[str] = []
     for o in obs:
-        if o is not None and (not seq or seq[-1] != o["table"]):
+        if not seq or seq[-1] != o["table"]:
             seq.append(o["table"])
     return seq
 
@@ -139,7 +147,7 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
     key = "dash-key"
     rng = random.Random(7)
     prompt = lambda n: [rng.randrange(5, 500) for _ in range(n)]  # noqa: E731
-    # full reservations on 64 blocks of 16: each 300 + 700 token request takes 63 blocks, so
+    # full reservations on 64 blocks of 16: each 100 + 900 token request takes 63 blocks, so
     # only one runs at a time (about a second each) and the others are refused for lack of blocks
     flags = ("--num-blocks", "64", "--kv-mode", "full")
     with start_http_runtime(tiny_model, run_dir, *flags, api_key=key) as hr:
@@ -157,16 +165,8 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
             t_open = time.monotonic()
 
             ids = ["dash-a", "dash-b", "dash-c"]
-            obs: dict[str, list[Any]] = {i: [] for i in ids + ["dash-e", "dash-f"]}
             results: dict[str, Any] = {}
-            watching = True
-
-            async def watch() -> None:
-                while watching:
-                    snap = await _dom(drv, SNAPSHOT, list(obs))
-                    for i, o in snap.items():
-                        obs[i].append(o)
-                    await trio.sleep(0.1)
+            await _dom(drv, RECORD, [*ids, "dash-e", "dash-f"])
 
             async def run(c: Any, rid: str, ids_: list[int], n: int) -> None:
                 results[rid] = await c.generate(
@@ -174,16 +174,15 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
                 )
 
             shared = prompt(96)
-            nursery.start_soon(watch)
             async with open_client(rt.endpoint) as c:
                 async with trio.open_nursery() as reqs:
                     for rid in ids:
-                        reqs.start_soon(run, c, rid, prompt(300), 700)
+                        reqs.start_soon(run, c, rid, prompt(100), 900)
                         await trio.sleep(0.05)
                 await run(c, "dash-e", shared + list(range(400, 420)), 8)
                 await run(c, "dash-f", shared + list(range(420, 440)), 8)
             await trio.sleep(1.5)  # the page's poll + render
-            watching = False
+            obs: dict[str, list[Any]] = await _dom(drv, "return window.__seen")
 
             refusals = {
                 i: {
@@ -195,9 +194,7 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
             }
             assert refusals["dash-b"] and refusals["dash-c"], refusals
             for i in ("dash-b", "dash-c"):
-                waits = [
-                    o for o in obs[i] if o and o["table"] == "waiting" and o["why"] == "refused"
-                ]
+                waits = [o for o in obs[i] if o["table"] == "waiting" and o["why"] == "refused"]
                 assert waits, (i, obs[i])
                 for o in waits:  # the numbers shown are the scheduler's, for this request
                     nums = (int(o["needed"]), int(o["free"]), int(o["evictable"]))
@@ -206,15 +203,25 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
                     assert (
                         f"needs {nums[0]} blocks, {nums[1]} free + {nums[2]} evictable" in o["text"]
                     )
-                assert _order(obs[i]) == ["waiting", "running", "finished"], _order(obs[i])
+                seen = [(o["t"], o["table"]) for o in obs[i]]
+                assert _order(obs[i]) == ["waiting", "running", "finished"], seen
             assert _order(obs["dash-a"])[-2:] == ["running", "finished"]
             for i in ("dash-e", "dash-f"):  # prefix hits as the client was told
-                final = [o for o in obs[i] if o and o["table"] == "finished"][-1]
+                final = [o for o in obs[i] if o["table"] == "finished"][-1]
                 assert final["cached"] == results[i].usage["cached_tokens"], (i, final)
             assert results["dash-f"].usage["cached_tokens"] == 96
             assert results["dash-e"].usage["cached_tokens"] == 0
             hit = await _dom(drv, "return document.getElementById('hit-now').dataset.hitTokens")
             assert int(hit) == sum(r.usage["cached_tokens"] for r in results.values()) == 96
+            # the KV pool panel shows the KV manager's own counts, once everything finished
+            kv = await _dom(drv, "return {...document.getElementById('kv-now').dataset}")
+            s = await kv_stats(rt)
+            assert (int(kv["free"]), int(kv["inUse"]), int(kv["cachedOnly"])) == (
+                s.free,
+                s.in_use,
+                s.cached_only,
+            ), (kv, s)
+            assert s.in_use == 0 and s.cached_only > 0 and int(kv["total"]) == s.num_blocks == 64
 
             # a click opens the request's life, with every refusal it waited on
             await _dom(drv, "document.querySelector('tr[data-client-id=\"dash-c\"]').click()")
@@ -238,7 +245,12 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
                 nursery.start_soon(_load, rt.endpoint, until, shared, s)
             await trio.sleep(max(0.0, t_open + 14 - time.monotonic()))
             mid = await _dom(drv, MEMORY)
-            await trio.to_thread.run_sync(drv.execute_script, "window.scrollTo(0, 0)")
+            with trio.move_on_after(8):  # the screenshot: a moment with a queue and a batch
+                while True:
+                    live = await _dom(drv, "return MR.stats().live")
+                    if live["waiting"] >= 2 and live["running"] >= 2:
+                        break
+                    await trio.sleep(0.2)
             _shot(drv, tmp_path, "dashboard.png")
             await trio.sleep(max(0.0, until - time.monotonic()))
             end = await _dom(drv, MEMORY)

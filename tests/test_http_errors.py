@@ -12,7 +12,7 @@ import openai
 import pytest
 import trio
 
-from tests.http_server import poll, start_http_runtime, wait_healthy
+from tests.http_server import health, poll, start_http_runtime, wait_healthy
 from tests.runtime import kv_stats, wait_until
 
 KEY = "sk-minirt-test"
@@ -51,7 +51,7 @@ BAD = [
     (COMP, {"prompt": "x", "stop": ["s"] * 17}, "stop", None),
     (COMP, {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", None),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
-    (COMP, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", None),
+    (COMP, {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type", None),
     (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", None),
     (COMP, {"prompt": [1, 2, 10**6]}, "prompt", None),
     (COMP, {"prompt": ""}, "prompt", None),
@@ -84,7 +84,12 @@ BAD = [
         "messages",
         "context_length_exceeded",
     ),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format", None),
+    (
+        CHAT,
+        {"messages": MSGS, "response_format": {"type": "json_schema"}},
+        "response_format.json_schema.schema",
+        None,
+    ),
     (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools", None),
 ]
 
@@ -199,13 +204,13 @@ def test_a_dead_actor_gives_503_and_health_names_it(server):
     os.kill(server.rt.pid_of("executor"), signal.SIGKILL)
 
     def unhealthy() -> httpx.Response | None:
-        r = httpx.get(server.url + "/health", timeout=5)
-        return r if r.status_code == 503 else None
+        r = health(server.url)
+        return r if r is not None and r.status_code == 503 else None
 
-    health = poll(unhealthy, 15)
-    assert health is not None, "health never turned 503"
-    assert "executor" in health.json()["missing"], health.json()
-    assert health.json()["actors"]["executor"] == {"alive": False, "ready": False}
+    down = poll(unhealthy, 15)
+    assert down is not None, "health never turned 503"
+    assert "executor" in down.json()["missing"], down.json()
+    assert down.json()["actors"]["executor"] == {"alive": False, "ready": False}
 
     def refused() -> httpx.Response | None:
         try:
@@ -224,11 +229,12 @@ def test_a_dead_actor_gives_503_and_health_names_it(server):
 
 
 def test_the_http_server_reconnects_after_the_front_door_restarts(server):
-    before = post(server, COMP, {"prompt": "x", "max_tokens": 2})
+    before = post(server, COMP, {"prompt": "x", "max_tokens": 2}, timeout=60)
     assert before.status_code == 200
     os.kill(server.rt.pid_of("tokenizer"), signal.SIGKILL)
-    assert poll(lambda: httpx.get(server.url + "/health").status_code == 503 or None, 15)
+    down = poll(lambda: (r := health(server.url)) is not None and r.status_code == 503, 15)
+    assert down, "health never turned 503"
     wait_healthy(server.url, timeout=60)
-    after = post(server, COMP, {"prompt": "x", "max_tokens": 2})
+    after = post(server, COMP, {"prompt": "x", "max_tokens": 2}, timeout=60)
     assert after.status_code == 200, after.text
     assert len(server.rt.events("http.upstream_connected")) >= 2  # a fresh connection

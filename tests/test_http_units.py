@@ -111,3 +111,29 @@ async def test_a_bug_is_a_plain_500_and_an_http_error_event(model, tmp_path, mon
     assert err["request_id"] == "bug-1" and err["error"] == "RuntimeError"
     [resp] = [e for e in events if e["event"] == "http.response" and e["request_id"] == "bug-1"]
     assert resp["status"] == 500
+
+
+async def test_the_key_guards_every_route_but_health(model, tmp_path):
+    from actors.runtime.events import get_logger
+
+    log = get_logger()
+    server = Server(
+        model=model,
+        upstream=Upstream("ipc:///nowhere", None, log),
+        endpoints={},
+        log=log,
+        api_key="k1",
+    )
+    transport = httpx.ASGITransport(app=build_app(server))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        for path in ("/v1/models", "/version", "/metrics", "/nope"):
+            r = await c.get(path)
+            assert r.status_code == 401, path
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert (await c.get(path, headers={"Authorization": "Bearer k2"})).status_code == 401
+        ok = await c.get("/v1/models", headers={"Authorization": "Bearer k1"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == model.served_name
+        r = await c.post(
+            "/detokenize", json={"tokens": [1, 2]}, headers={"Authorization": "bearer k1"}
+        )
+        assert r.status_code == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -45,3 +46,21 @@ def test_same_seed_gives_same_weights(tmp_path):
     for (na, pa), (_, pb) in zip(ma.named_parameters(), mb.named_parameters(), strict=True):
         assert torch.equal(pa, pb), na
     assert json.loads((a / "minirt-model.json").read_text())["arch"] == "llama"
+
+
+def test_q05_is_qwen25_05b_shaped_and_qwen2_only(tmp_path):
+    """The 0.39B benchmark body (never built in the tests: its shape and guard only)."""
+    from gpu.make_model import SIZES, _sizes, make_model
+
+    assert "q05" in SIZES
+    d = _sizes("q05")
+    assert (d["hidden_size"], d["num_hidden_layers"], d["intermediate_size"]) == (896, 24, 4864)
+    assert (d["num_attention_heads"], d["num_key_value_heads"], d["vocab_size"]) == (14, 2, 32000)
+    assert d["tie_word_embeddings"]
+    h, kv = d["hidden_size"], d["hidden_size"] // d["num_attention_heads"] * 2
+    per_layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * d["intermediate_size"] + 2 * h
+    params = d["vocab_size"] * h + d["num_hidden_layers"] * per_layer + h
+    assert 0.38e9 < params < 0.40e9
+    with pytest.raises(ValueError, match="q05 size is defined for qwen2 only"):
+        make_model("llama", "q05", tmp_path / "m")
+    assert not (tmp_path / "m").exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 import messages
+from messages.common import Msg
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 
@@ -28,13 +29,10 @@ def wire_structs() -> dict[str, type[msgspec.Struct]]:
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if not issubclass(cls, msgspec.Struct) or cls.__module__ != module.__name__:
                 continue
+            if cls is Msg:
+                continue  # the base of every message: no fields, no tag of its own
             tag = cls.__struct_config__.tag
-            if isinstance(tag, str):
-                found[tag] = cls
-            elif not cls.__struct_fields__ and cls.__name__ == "Msg":
-                continue  # the untagged base of every message
-            else:
-                found[cls.__name__] = cls
+            found[tag if isinstance(tag, str) else cls.__name__] = cls
     return found
 
 

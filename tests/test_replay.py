@@ -1,4 +1,4 @@
-"""What-if replay of a real recorded run: four actor processes on the tiny model serve a few dozen
+"""What-if replay of a real recorded run: four actor processes on the tiny model serve about 20
 requests (shared prefixes, refusals on a small pool), then the replay reruns the log through the
 real scheduler core and KV manager with a simulated executor: same admission decisions, TTFT
 close, a trace of a replayed request, and knobs that change the outcome the expected way."""
@@ -17,17 +17,10 @@ from actors.bench.workloads import Job
 from actors.eventlog import read_events, trace_lines
 from actors.replay import sim, stepmodel, workload
 from actors.replay.cli import main
+from messages.tokenizer import client_request_id
 from tests.runtime import start_runtime
 
 BS = 16
-
-
-def _sized(rng: random.Random, lo: int, hi: int, max_tokens: int) -> int:
-    """A prompt length in about [lo, hi] with ``(prompt + max_tokens) % 16 == 1``: the full
-    reservation's last block then also holds the executor's one block of lookahead, so no
-    request outgrows its reservation (which would preempt at a moment set by timing)."""
-    n = rng.randint(lo, hi)
-    return n + (1 - (n + max_tokens)) % BS
 
 
 def _blocks(job: Job) -> int:
@@ -35,34 +28,31 @@ def _blocks(job: Job) -> int:
 
 
 def jobs() -> tuple[list[Job], int]:
-    """A warm-up request, then wave 1 from t=0.5 s: 10 requests of 200, 216, 232, ... new
-    tokens, the pool holding 7 of them: the rest are refused until blocks come back. They run
-    in lockstep, so they finish 16 steps apart in admission order, and the first finishes long
-    after the last arrived: no decision hangs on how long a step took. At t=4 s one request
-    with the first one's 80-token prefix (cached once it is prefilled), from t=4.5 s 7 more
-    sharing it and 4 without, with 200, 216, ... tokens again. Returns the jobs and the pool."""
+    """Requests whose prompt + max_tokens is 401 tokens (26 blocks; the last one also holds the
+    executor's one block of lookahead, so none outgrows its full reservation). A warm-up
+    request; from t=0.5 s, 2 ms apart, 8 requests of 200, 216, ... new tokens, the first with an
+    80-token prefix, in a pool that holds 7: the last one is refused until the first finishes
+    (they run in lockstep: that is long after the last arrived, and its blocks are all the
+    refused one needs, however many frees arrive together). At t=4 s one request with the
+    prefix (cached once it is prefilled), from t=4.5 s 9 more sharing it (212, 224, ... new
+    tokens): 8 fit, the 9th waits.
+    Returns the jobs and the pool size."""
     rng = random.Random(5)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(16, 500) for _ in range(n)]
 
     shared = ids(80)
-    out = []
-    for i in range(10):
+    out = [Job("warm", ids(25), 8)]  # takes the fresh runtime's slow first steps
+    for i in range(8):
         m = 200 + 16 * i
-        n = _sized(rng, 90, 110, m) if i == 0 else _sized(rng, 30, 90, m)
-        prompt = (shared if i == 0 else []) + ids(n - (80 if i == 0 else 0))
+        prompt = shared + ids(401 - m - 80) if i == 0 else ids(401 - m)
         out.append(Job(f"a{i}", prompt, m, at=0.5 + 0.002 * i))
-    out.append(Job("s0", shared + ids(_sized(rng, 90, 110, 8) - 80), 8, at=4.0))
-    for j in range(1, 12):
-        m, at = 200 + 16 * j, 4.5 + 0.002 * j
-        if j % 3 == 0:
-            out.append(Job(f"b{j}", ids(_sized(rng, 30, 60, m)), m, at=at))
-        else:
-            out.append(Job(f"s{j}", shared + ids(_sized(rng, 90, 110, m) - 80), m, at=at))
-    pool = sum(_blocks(j) for j in out[:7]) + 2
-    # first, a request that takes the fresh runtime's slow first steps
-    return [Job("warm", ids(_sized(rng, 20, 30, 4)), 4), *out], pool
+    out.append(Job("s0", shared + ids(25), 8, at=4.0))
+    for j in range(1, 10):
+        m = 200 + 12 * j
+        out.append(Job(f"s{j}", shared + ids(401 - m - 80), m, at=4.5 + 0.002 * j))
+    return out, 7 * _blocks(out[1]) + 2
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +68,12 @@ def recorded(tiny_model, tmp_path_factory):
 
 def test_replay_makes_the_recorded_admission_decisions(recorded) -> None:
     rec = workload.load(recorded)
-    assert len(rec.requests) == 23 and not rec.notes
-    refused = {d[1].split("@")[0][0] for d in rec.decisions if d[0] == "refuse"}
-    assert refused >= {"a", "s"}, "the small pool refused nobody: the test lost its point"
-    assert sum(r["cached_tokens"] for r in rec.records) >= 8 * 80  # wave 2 hit the cache
+    assert len(rec.requests) == 19 and not rec.notes
+    refused = [client_request_id(d[1])[0] for d in rec.decisions if d[0] == "refuse"]
+    assert refused == ["a", "s"], "the small pool did not refuse one request per wave"
+    assert sum(r["cached_tokens"] for r in rec.records) >= 9 * 80  # wave 2 hit the cache
     model = stepmodel.fit(rec.steps)
+    assert not model.notes  # the executor.step events carry the contexts the model uses
     res = sim.replay(rec, model, to_executor_s=sim.calibrate(rec, model))
     assert res.decisions() == rec.decisions  # the exact sequence, refusals and retries included
     a = bench_report.summarize(rec.records, rec.wall_s)
@@ -95,9 +86,9 @@ def test_replay_makes_the_recorded_admission_decisions(recorded) -> None:
     replayed = {r["request_id"]: r["ttft_s"] for r in res.records}
     recorded = {r["request_id"]: r["ttft_s"] for r in rec.records}
     mean_ratio = sum(replayed.values()) / sum(recorded.values())
-    assert 0.6 <= mean_ratio <= 1.4, mean_ratio
+    assert 0.5 <= mean_ratio <= 2.0, mean_ratio
     errors = sorted(abs(replayed[k] - v) / max(v, 0.01) for k, v in recorded.items())
-    assert errors[len(errors) // 2] <= 0.6, errors
+    assert errors[len(errors) // 2] <= 0.75, errors
     assert 0.7 <= b["throughput_tok_s"] / a["throughput_tok_s"] <= 1.3
 
 
@@ -141,6 +132,13 @@ def test_a_bench_serve_report_replays(tiny_model, tmp_path) -> None:
     data = json.loads((out / "report.json").read_text())
     assert data["config"]["max_batch_size"] == 4
     assert data["replays"]["replay"]["config"]["max_batch_size"] == 2
-    replayed = {r["run"]: r for r in data["rows"]}
-    assert replayed["replay"]["requests"] == replayed["recorded"]["requests"] == 12
-    assert replayed["replay"]["queue_p50_ms"] > replayed["recorded"]["queue_p50_ms"]
+    rows = {r["run"]: r for r in data["rows"]}
+    assert rows["replay"]["requests"] == rows["recorded"]["requests"] == 12
+    rec = workload.load(report, "small")  # the client's records, and the runtime's events
+    assert {client_request_id(r["request_id"]) for r in rec.records} == {
+        f"w1-{i}" for i in range(12)
+    }
+    model = stepmodel.fit(rec.steps)
+    same = sim.replay(rec, model).summary()
+    narrower = sim.replay(rec, model, {"max-batch-size": 2}).summary()
+    assert narrower["queue_p50_ms"] > same["queue_p50_ms"]

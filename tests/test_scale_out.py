@@ -122,7 +122,7 @@ def _replica_pid(run_dir: Path, name: str) -> int:
         for e in read_events(run_dir)
         if e.get("event") in ("cluster.replica_started", "cluster.child_restarted")
     ]
-    return int([e for e in evs if name in (e.get("replica"), e.get("child"))][-1]["pid"])
+    return int([e for e in evs if e.get("child") == name][-1]["pid"])
 
 
 def _health(spec: RouterSpec) -> dict[str, bool]:

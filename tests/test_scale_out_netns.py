@@ -168,13 +168,16 @@ def _http_run(h: Hosts, tiny_model: Path, tmp_path: Path) -> None:
         where = served_by(runs, [j.rid for j in jobs])
         assert set(where.values()) == {"a", "b"}, where
         # The router wants the key too.
-        assert httpx.get(f"{spec.url}/v1/models", trust_env=False).status_code == 401
+        body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+        assert (
+            httpx.post(f"{spec.url}/v1/completions", json=body, trust_env=False).status_code == 401
+        )
 
         # From host B, replica A without the key, or with a wrong one: 401, nothing admitted.
         probe = f"""
 import json, httpx
 url = "http://{h.a_addr}:{PORT}"
-body = {{"model": "m", "prompt": "hello there", "max_tokens": 2}}
+body = {{"model": "{tiny_model}", "prompt": "hello there", "max_tokens": 2}}
 out = {{}}
 for name, hdrs in (("none", {{}}), ("wrong", {{"Authorization": "Bearer nope"}}), ("right", {{"Authorization": "Bearer {key}"}})):
     out[name] = [

@@ -33,6 +33,8 @@ def test_plan_gives_each_replica_its_run_dir_port_threads_and_name(tmp_path):
     assert "--http-host 127.0.0.1 --http-port 8002" in joined
     assert "--threads 2" in joined  # its share of the CPUs
     assert "--threads 7" in " ".join(c.replicas[0].argv(["--threads", "7"], "py"))
+    assert all(r.pin for r in c.replicas)  # 2 CPUs each: pinned
+    assert not any(r.pin for r in plan(2, tmp_path, cpus=[0, 1]).replicas)  # 1 each: shared
     assert "--replica replica-1" in joined  # its name, in every event its actors write
     assert c.replicas[1].env({})["MINIRT_REPLICA"] == "replica-1"
 

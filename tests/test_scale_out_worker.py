@@ -49,53 +49,56 @@ def test_health_needs_no_key_everything_else_does(worker):
 def test_info_probes_answer_json_or_a_clean_404(worker):
     _, url, _ = worker
     with _client(headers={"Authorization": f"Bearer {KEY}"}) as c:
-        for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        info = c.get(f"{url}/server_info")  # the router takes the served model name from here
+        assert info.status_code == 200 and info.json()["served_model_name"] == "tiny"
+        for path in ("/get_server_info", "/model_info", "/get_model_info"):
             r = c.get(f"{url}{path}")
-            assert r.status_code in (200, 404), (path, r.status_code)
-            body = r.json()  # JSON either way, never an HTML page or a traceback
-            if r.status_code == 404:
-                assert body["error"]["code"] in (404, "not_found", "model_not_found"), body
-        info = c.get(f"{url}/server_info")
-        if info.status_code == 200:  # the router takes the served model name from here
-            assert info.json()["served_model_name"] == "tiny"
+            assert r.status_code == 404, (path, r.status_code)
+            assert r.json()["error"]["code"] == "not_found"  # JSON, not a page or a traceback
 
 
-def test_the_routers_grpc_probe_over_http2_is_refused_and_http1_still_serves(worker):
-    """The router opens HTTP/2 (prior knowledge) connections to the worker's port and calls its
-    gRPC health check; anything but a gRPC 200 makes it fall back to HTTP."""
-    _, url, port = worker
+def _grpc_probe(port: int) -> str | None:
+    """What sglang-router sends on a worker's port: HTTP/2 prior knowledge, a gRPC health check
+    with a request body (a DATA frame). The response's status, or None if the server closed."""
     conn = h2.connection.H2Connection()
     conn.initiate_connection()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(conn.data_to_send())
-        conn.send_headers(
-            1,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":authority", f"127.0.0.1:{port}"),
-                (":path", "/sglang.grpc.scheduler.SglangScheduler/HealthCheck"),
-                ("te", "trailers"),
-                ("content-type", "application/grpc"),
-            ],
-            end_stream=True,
-        )
+        path = "/sglang.grpc.scheduler.SglangScheduler/HealthCheck"
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", f"127.0.0.1:{port}"),
+            (":path", path),
+            ("te", "trailers"),
+            ("content-type", "application/grpc"),
+        ]
+        conn.send_headers(1, headers)
+        conn.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)  # an empty gRPC message
         s.sendall(conn.data_to_send())
-        status = None
-        while status is None:
+        while True:
             data = s.recv(65536)
             if not data:
-                break  # closing the connection is a refusal too
+                return None
             for ev in conn.receive_data(data):
                 if isinstance(ev, h2.events.ResponseReceived):
-                    status = dict(ev.headers)[b":status"].decode()
                     assert b"grpc-status" not in dict(ev.headers)
+                    return dict(ev.headers)[b":status"].decode()
             s.sendall(conn.data_to_send())
-    assert status is None or not status.startswith("2"), status
+
+
+def test_the_routers_grpc_probe_over_http2_is_refused_and_http1_still_serves(worker):
+    """Anything but a gRPC 200 makes the router fall back to HTTP; the probe must not hurt the
+    server (hypercorn's h2 protocol used to stop the whole server on this probe's DATA frame)."""
+    rt, url, port = worker
+    http_starts = len([e for e in rt.events("actor.started") if e.get("actor") == "http"])
+    for _ in range(3):
+        assert _grpc_probe(port) == "505"
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
     with _client() as c:
         r = c.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
+    assert len([e for e in rt.events("actor.started") if e.get("actor") == "http"]) == http_starts
 
 
 def test_the_fields_the_router_adds_are_accepted(worker):
@@ -149,6 +152,7 @@ def test_the_router_registers_the_worker_and_serves_through_it(worker):
         assert r.status_code == 200, r.text
         assert c.post(f"{spec.url}/v1/completions", json=body).status_code == 401
         models = c.get(f"{spec.url}/v1/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]  # from the worker's /server_info
     seen = [e for e in rt.events() if e.get("event") == "http.response"]
     paths = {e["path"]: e["status"] for e in seen}
     assert paths.get("/health") == 200, paths

@@ -10,6 +10,7 @@ import collections
 import random
 import time
 
+import msgspec
 import pytest
 import trio
 
@@ -29,10 +30,25 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-async def soak(rt, total: int, clients: int, seed: int = 0) -> dict:
-    rng = random.Random(seed)
+def rss_all(rt) -> dict[str, int]:
+    """Each actor's RSS (kB); an actor that is down just now (the chaos soak) is left out."""
+    out = {}
+    for a in ACTORS:
+        try:
+            out[a] = rss_kb(rt.pid_of(a))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+async def soak(rt, total: int, clients: int, seed: int = 0, during=None) -> dict:
+    """Run the soak; ``during(cancel_scope)``, if given, runs beside the clients until they are
+    done (the chaos soak kills actors there). Request ``i`` is the same in every run of a seed
+    (its own RNG), so two runs can be compared token for token."""
     issued = 0
     outcomes: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {}
+    timings: dict[str, dict] = {}
     warm: dict[str, int] = {}
     warm_at = total // 5
 
@@ -43,10 +59,13 @@ async def soak(rt, total: int, clients: int, seed: int = 0) -> dict:
                 i = issued
                 issued += 1
                 if i == warm_at:
-                    warm.update({a: rss_kb(rt.pid_of(a)) for a in ACTORS})
+                    warm.update(rss_all(rt))
                 rid = f"soak-{i}"
+                rng = random.Random(seed * 1_000_003 + i)
                 prompt = [rng.randrange(3, 500) for _ in range(rng.randint(4, 120))]
                 cancel = rng.random() < 0.05
+                got: list[int] = []
+                accepted = False
                 try:
                     async for msg in c.stream(
                         prompt_ids=prompt,
@@ -54,21 +73,34 @@ async def soak(rt, total: int, clients: int, seed: int = 0) -> dict:
                         ignore_eos=rng.random() < 0.5,
                         request_id=rid,
                     ):
-                        if cancel and isinstance(msg, cm.Delta):
-                            break  # leaving the stream cancels the request
+                        accepted = accepted or isinstance(msg, cm.Accepted)
+                        if isinstance(msg, cm.Delta):
+                            got.extend(msg.token_ids)
+                            if cancel:
+                                break  # leaving the stream cancels the request
                         if isinstance(msg, cm.Final):
                             outcomes[rid] = msg.finish_reason
+                            assert msg.usage.completion_tokens == len(got), rid  # none twice
+                            tokens[rid] = got
+                            timings[rid] = msgspec.structs.asdict(msg.timings)
                     if cancel and rid not in outcomes:
                         outcomes[rid] = "aborted"
                 except RequestError as e:
-                    outcomes[rid] = f"{e.code}"
-                    if e.code == "overloaded":
+                    # refused before it was accepted because an actor is down (the chaos soak):
+                    # never queued, so not lost; the client retries later
+                    refused = e.code == "actor_dead" and not accepted
+                    outcomes[rid] = "refused" if refused else f"{e.code}"
+                    if e.code == "overloaded" or refused:
                         await trio.sleep(0.25)  # back off, as a real client would
 
     t0 = time.monotonic()
-    async with trio.open_nursery() as nursery:
-        for cid in range(clients):
-            nursery.start_soon(client_loop, cid)
+    async with trio.open_nursery() as outer:
+        if during is not None:
+            outer.start_soon(during)
+        async with trio.open_nursery() as nursery:
+            for cid in range(clients):
+                nursery.start_soon(client_loop, cid)
+        outer.cancel_scope.cancel()
     elapsed = time.monotonic() - t0
 
     async def drained():
@@ -76,8 +108,16 @@ async def soak(rt, total: int, clients: int, seed: int = 0) -> dict:
         return s if s.check_ok and s.in_use == 0 and s.running == 0 else None
 
     stats = await wait_until(drained, timeout=30)
-    end = {a: rss_kb(rt.pid_of(a)) for a in ACTORS}
-    return {"outcomes": outcomes, "elapsed": elapsed, "warm": warm, "end": end, "stats": stats}
+    end = rss_all(rt)
+    return {
+        "outcomes": outcomes,
+        "tokens": tokens,
+        "timings": timings,
+        "elapsed": elapsed,
+        "warm": warm,
+        "end": end,
+        "stats": stats,
+    }
 
 
 ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")

@@ -5,7 +5,8 @@ is validated and tokenized (``requests``), given a runtime-wide id scoped to its
 (``clients``) and submitted to the scheduler; the executor's ``TokenBatch`` events become the
 client's ``Delta`` messages and one ``Final`` (``streams``). Stop strings end a request here (and
 abort it upstream). A ``Cancel`` or a client whose connection is gone aborts its requests.
-The framing, handshake and error replies are the ``Actor`` base's, for both sockets.
+The framing, handshake and error replies are the ``Actor`` base's, for both sockets. A request
+whose attempt dies with another actor is resumed, token for token (``resuming``, ``resume``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from actors.runtime.transport import ZSocket
 from messages import client as cm
 from messages.codec import Decoder
 from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Pong
-from messages.scheduler import Abort, Submit
+from messages.scheduler import Abort
 from messages.tokenizer import (
     Cancel,
     FromClient,
@@ -40,19 +40,12 @@ from messages.tokenizer import (
 )
 from tokenizer_svc.clients import ClientEndpoint
 from tokenizer_svc.requests import Invalid, tokenize_request
+from tokenizer_svc.resume import Resume, already_ended, check_resume_ids
+from tokenizer_svc.resuming import Live, ResumingMixin
 from tokenizer_svc.streams import Stream, completed
 
 
-@dataclass(slots=True)
-class Live:
-    """A request in flight: whose it is (the client's ROUTER identity) and its output stream."""
-
-    ident: bytes
-    internal_id: str
-    stream: Stream
-
-
-class TokenizerService(Actor):
+class TokenizerService(ResumingMixin, Actor):
     name = "tokenizer"
     inbound = TokenizerInbound
 
@@ -64,6 +57,8 @@ class TokenizerService(Actor):
         model_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
         self.vocab_size = int(model_cfg["vocab_size"])
         self.max_model_len = int(model_cfg.get("max_position_embeddings", 2048))
+        eos = model_cfg.get("eos_token_id")
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.model_name = Path(cfg.model).name
         self.client_decoder: Decoder[Any] = Decoder(FromClient)
         self.client_sock: ZSocket | None = None
@@ -83,6 +78,7 @@ class TokenizerService(Actor):
 
     async def start_tasks(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._client_loop)
+        nursery.start_soon(self._resume_loop)
         nursery.start_soon(self.clients.outbox.run)
         nursery.start_soon(self.clients.probe_loop, Pong(actor=self.name, boot_id=self.boot_id))
 
@@ -193,6 +189,10 @@ class TokenizerService(Actor):
             )
             self._refuse(ident, rid, ErrorCode(e.code), str(e), e.field)
             return
+        why = check_resume_ids(msg.resume_ids, msg.params, self.vocab_size)
+        if why:
+            self._refuse(ident, rid, ErrorCode.INVALID, f"resume_ids: {why}", "resume_ids")
+            return
         stream = Stream(
             rid,
             self.tokenizer,
@@ -202,12 +202,18 @@ class TokenizerService(Actor):
             want_logprobs=msg.params.logprobs is not None,
             min_tokens=getattr(msg.params, "min_tokens", 0),
         )
-        self.live[internal] = Live(ident, internal, stream)
+        resume = Resume(ids, msg.params, time.time())
+        live = self.live[internal] = Live(ident, internal, stream, resume)
         self.clients.send(ident, cm.Accepted(request_id=rid, prompt_tokens=len(ids)))
-        self.send(
-            "scheduler",
-            Submit(request_id=internal, prompt_ids=ids, params=msg.params, arrival=time.time()),
-        )
+        if msg.resume_ids:  # the client resumes a stream its connection's predecessor lost
+            stream.prime(msg.resume_ids)
+            resume.resumes, resume.reason = 1, "tokenizer restarted"
+            self.log.info("client.resumed", request_id=internal, output_tokens=len(msg.resume_ids))
+            ended = already_ended(msg.resume_ids, msg.params, self.eos_ids)
+            if ended is not None:  # everything was received but the final
+                self._finish(live, ended, None)
+                return
+        self.send("scheduler", resume.submit(internal, stream.token_ids))
 
     def _refuse(
         self, ident: bytes, rid: str, code: ErrorCode, message: str, field: str | None = None
@@ -231,6 +237,7 @@ class TokenizerService(Actor):
                 if live is None:
                     continue  # aborted or already ended by a stop string
                 delta, ending = live.stream.token(ev, now)
+                live.resume.progressed = True
                 self.clients.send(live.ident, delta)
                 if ev.request_id not in self.live:
                     continue  # that send found the client gone, which aborted the request
@@ -244,15 +251,18 @@ class TokenizerService(Actor):
             live = self.live.get(msg.request_id)
             if live is not None:
                 live.stream.admitted(msg.cached_tokens, msg.queue_s)
+                live.resume.progressed = True
         elif isinstance(msg, RequestFailed):
             live = self.live.get(msg.request_id)
-            if live is not None:
+            if live is not None and msg.code == ErrorCode.ACTOR_DEAD:
+                self._lose(live, msg.message)  # an actor died or the runtime settles: resume
+            elif live is not None:
                 self._fail(live, msg.code, msg.message, msg.field)
 
     def on_peer_dead(self, name: str, reason: str) -> None:
         for live in list(self.live.values()):
             if live.internal_id in self.live:  # not ended meanwhile by its client's disconnect
-                self._fail(live, ErrorCode.ACTOR_DEAD, f"{reason}; request aborted")
+                self._lose(live, reason)
 
     # ------------------------------------------------------------ endings
     def _forget(self, live: Live) -> None:

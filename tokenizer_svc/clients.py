@@ -68,6 +68,17 @@ class ClientEndpoint:
         client.requests[request_id] = internal
         return internal
 
+    def rekey(self, ident: bytes, request_id: str) -> str | None:
+        """A new runtime-wide id for the client's request ``request_id`` in flight (its attempt
+        died and it is resumed under a new id, so late messages of the old one cannot reach it);
+        None if the client has no such request."""
+        client = self.clients.get(ident)
+        if client is None or request_id not in client.requests:
+            return None
+        internal = scoped_request_id(request_id, f"{self._boot}.{next(self._requests)}")
+        client.requests[request_id] = internal
+        return internal
+
     def lookup(self, ident: bytes, request_id: str) -> str | None:
         """The runtime-wide id of this client's request ``request_id`` in flight, if any."""
         client = self.clients.get(ident)

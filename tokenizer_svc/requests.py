@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from messages.common import ErrorCode, validate_params
+from gpu.structured.grammar import GrammarCache, GrammarError, hf_llg_tokenizer
+from messages.common import ErrorCode, StructuredOutput, validate_params
 from messages.tokenizer import Generate
 
 MAX_STOP_STRINGS = 16
@@ -23,6 +24,29 @@ class Invalid(Exception):
         return f"{self.field}: {self.reason}"
 
 
+_GRAMMARS: dict[int, tuple[Any, GrammarCache]] = {}
+
+
+def grammar_cache(tokenizer: Any, vocab_size: int) -> GrammarCache:
+    """The compiled-constraint cache of ``tokenizer`` (bounded, keyed by the constraint's
+    canonical text; one per tokenizer in the process, built on first use)."""
+    found = _GRAMMARS.get(id(tokenizer))
+    if found is None or found[0] is not tokenizer:
+        eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        cache = GrammarCache(lambda: hf_llg_tokenizer(tokenizer, vocab_size, eos))
+        found = _GRAMMARS[id(tokenizer)] = (tokenizer, cache)
+    return found[1]
+
+
+def check_structured(s: StructuredOutput, tokenizer: Any, vocab_size: int) -> None:
+    """Raises ``Invalid`` (``params.structured.<kind>``) if the grammar engine cannot compile
+    ``s``: a bad schema, a keyword it does not implement, an invalid regex or grammar."""
+    try:
+        grammar_cache(tokenizer, vocab_size).compile(s)
+    except GrammarError as e:
+        raise Invalid(ErrorCode.INVALID, f"params.{e.field}", e.reason) from None
+
+
 def tokenize_request(
     msg: Generate, tokenizer: Any, vocab_size: int, max_model_len: int
 ) -> list[int]:
@@ -37,6 +61,8 @@ def tokenize_request(
     bad = validate_params(msg.params, vocab_size)
     if bad is not None:
         raise Invalid(ErrorCode.INVALID, f"params.{bad[0]}", bad[1])
+    if msg.params.structured is not None:
+        check_structured(msg.params.structured, tokenizer, vocab_size)
     if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):
         raise Invalid(
             ErrorCode.INVALID, "stop", f"at most {MAX_STOP_STRINGS} non-empty stop strings"

@@ -59,6 +59,17 @@ class Stream:
         self.cached_tokens = 0
         self.queue_s = 0.0
         self.attempts = 0
+        self.token_ids: list[int] = []  # every token streamed (what a resume continues after)
+
+    def prime(self, token_ids: list[int]) -> None:
+        """A resumed request: the client already received ``token_ids`` (and their text) from
+        the front door's predecessor. Replay them through the detokenizer and the stop matcher
+        without emitting, so the text of the next tokens continues exactly; text the matcher
+        held back then was never sent, and comes out with the next tokens."""
+        for t in token_ids:
+            self.completion_tokens += 1
+            self.token_ids.append(t)
+            self.stops.feed(self.detok.push(t), self.completion_tokens >= self.min_tokens)
 
     def admitted(self, cached_tokens: int, queue_s: float) -> None:
         """The scheduler admitted the request (again, after a preemption)."""
@@ -72,6 +83,7 @@ class Stream:
             self.first_t = now
         self.last_t = now
         self.completion_tokens += 1
+        self.token_ids.append(ev.token_id)
         armed = self.completion_tokens >= self.min_tokens
         text, matched = self.stops.feed(self.detok.push(ev.token_id), armed)
         if matched is None and ev.finish_reason is not None:

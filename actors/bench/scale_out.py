@@ -128,7 +128,7 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["run"].replace(", ", "\n") for r in rows]
+    names = [r["run"].replace(", ", "\n").replace(" (", "\n(") for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     a1.bar(
         names, [100 * r["prefix_hit_rate"] for r in rows], color=["grey", "tab:green", "tab:red"]
@@ -148,6 +148,22 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> list[str]:
 def check(model_dir: Path, jobs: list[Any], records: list[HttpRecord], n: int) -> int:
     ref = reference_texts(model_dir, jobs, n)
     return sum(1 for r in records if r.status == 200 and not r.error and r.text == ref[r.rid])
+
+
+def _about(a: argparse.Namespace, model_dir: Path) -> str:
+    import os
+    import platform
+
+    return (
+        f"\nWorkload: {a.groups} system prompts of {a.system_tokens} tokens x {a.per_group} "
+        f"requests, each with its own 16..64-token tail, shuffled, all sent at once; "
+        f"{a.max_tokens} new tokens, greedy. Each run gets fresh system prompts. Model "
+        f"`{model_dir.name}`; {a.replicas} replicas on {len(os.sched_getaffinity(0))} CPUs "
+        f"({platform.machine()}), sglang-router. Prefix hit rate: cached prompt tokens / prompt "
+        "tokens, from each response's `usage.prompt_tokens_details.cached_tokens`; `served_by` "
+        "from the replicas' events (`X-Request-Id`); `exact`: answers equal to transformers' "
+        "greedy continuation (with `--check`).\n"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -205,7 +221,8 @@ def main(argv: list[str]) -> int:
         if single
         else "no prefix hits at all: is the prefix cache on?"
     )
-    sections = ["## Results\n", report.table(rows, COLS), f"\n{verdict}\n"]
+    shown = [{**r, "prefix_hit_rate": f"{r['prefix_hit_rate']:.1%}"} for r in rows]
+    sections = ["## Results\n", report.table(shown, COLS), f"\n{verdict}\n", _about(a, model_dir)]
     out = Path(a.out or "bench-out/scale-out")
     command = "minirt bench scale-out " + " ".join(shlex.quote(x) for x in argv)
     data = {"args": vars(a), "runs": runs, "verdict": verdict}

@@ -5,7 +5,8 @@ Two sweeps, random token-id prompts, greedy, EOS ignored: decode tok/s at batch 
 a 256-token context, and time per decode step at contexts 128..4096 with batch 16 (capped by the
 model's context length). Both systems are timed the same way: each point runs its prompts twice,
 to 1 output token and to ``1 + steps`` tokens; the difference is ``steps`` decode steps of the
-whole batch (the prefill cancels). minirt's steps are also timed one by one, which gives the same
+whole batch (the prefill cancels; each run twice, the minimum taken; ``nan`` where noise
+exceeded the decode time). minirt's steps are also timed one by one, which gives the same
 quantity with less noise, and that is what its rows show. Writes report.json, README.md and two PNGs into ``--out``.
 """
 
@@ -35,7 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256, help="context of the batch sweep")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--context-batch", type=int, default=16, help="batch of the context sweep")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed per point")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="default bench-out/scaling-TIME")
     return p.parse_args(argv)
@@ -55,8 +56,9 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[in
 
 
 def decode_seconds(ex, prompts: list[list[int]], steps: int) -> float:
-    """Run ``prompts`` to ``1 + steps`` tokens; the summed time of the steps that decoded the
-    whole batch and prefilled nothing (``steps`` of them)."""
+    """Run ``prompts`` to ``1 + steps`` tokens; the mean time of the steps that decoded the whole
+    batch and prefilled nothing, times ``steps`` (requests that finish prefill early decode in
+    mixed steps and end early, so fewer than ``steps`` such steps may run)."""
     from messages.common import SamplingParams
 
     bs, nxt = ex.block_size, 0
@@ -65,13 +67,13 @@ def decode_seconds(ex, prompts: list[list[int]], steps: int) -> float:
         n = -(-(len(p) + steps + 1) // bs)
         ex.add_request(f"s{i}", p, params, list(range(nxt, nxt + n)))
         nxt += n
-    total = 0.0
+    total, n = 0.0, 0
     while ex.has_work():
         t = time.perf_counter()
         res = ex.step()
         if res.num_prefill_tokens == 0 and res.num_decode_tokens == len(prompts):
-            total += time.perf_counter() - t
-    return total
+            total, n = total + time.perf_counter() - t, n + 1
+    return steps * total / n if n else float("nan")
 
 
 def run_minirt(a, model: Path, pts, vocab: int) -> list[float]:
@@ -91,18 +93,25 @@ def run_minirt(a, model: Path, pts, vocab: int) -> list[float]:
     ]
 
 
-def run_vllm(a, model: Path, pts, vocab: int, max_len: int) -> list[float] | str:
-    """The same for vLLM, or why it was skipped."""
+def run_vllm(a, model: Path, pts, spec) -> list[float] | str:
+    """The same for vLLM, or why it was skipped. Its KV space: the largest point's tokens, x1.5,
+    in float32, rounded up to GiB."""
     from actors.bench import vllm_row
 
+    vocab, max_len = spec.vocab_size, spec.max_model_len
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    tokens = max(b * (c + a.steps + 1) for _, b, c in pts)
+    kv_gib = max(1, -(-int(1.5 * tokens * per_token) // 2**30))
     runs = []
     for i, (_, b, c) in enumerate(pts):
         ps = prompts_for(b, c, vocab, i)
-        runs += [(ps, 1), (ps, 1 + a.steps)]
-    got = vllm_row.run(model, runs, dtype=a.dtype, max_model_len=max_len, kv_gib=8)
+        runs += [(ps, 1), (ps, 1 + a.steps)] * 2  # twice: the minimum of each
+    got = vllm_row.run(model, runs, dtype=a.dtype, max_model_len=max_len, kv_gib=kv_gib)
     if isinstance(got, vllm_row.Skipped):
         return got.reason
-    return [got.seconds[2 * i + 1] - got.seconds[2 * i] for i in range(len(pts))]
+    t = got.seconds
+    diffs = [min(t[4 * i + 1], t[4 * i + 3]) - min(t[4 * i], t[4 * i + 2]) for i in range(len(pts))]
+    return [d if d > 0 else float("nan") for d in diffs]  # nan: noise exceeded the decode time
 
 
 def plot(out: Path, rows: list[dict[str, Any]], systems: list[str]) -> list[str]:
@@ -142,7 +151,7 @@ def main(argv: list[str]) -> int:
     timings = {"minirt": run_minirt(a, model, pts, spec.vocab_size)}
     skipped = None
     if not a.skip_vllm:
-        got = run_vllm(a, model, pts, spec.vocab_size, spec.max_model_len)
+        got = run_vllm(a, model, pts, spec)
         if isinstance(got, str):
             skipped = got
         else:
@@ -151,9 +160,8 @@ def main(argv: list[str]) -> int:
     for i, (sweep, b, c) in enumerate(pts):
         row: dict[str, Any] = {"sweep": sweep, "batch": b, "context": c}
         for s, secs in timings.items():
-            dt = max(secs[i], 1e-9)
-            row[f"{s}_tok_s"] = b * a.steps / dt
-            row[f"{s}_step_ms"] = 1e3 * dt / a.steps
+            row[f"{s}_tok_s"] = b * a.steps / secs[i]
+            row[f"{s}_step_ms"] = 1e3 * secs[i] / a.steps
         if "vllm" in timings:
             row["minirt_over_vllm"] = row["minirt_tok_s"] / row["vllm_tok_s"]
         rows.append(row)

@@ -26,6 +26,7 @@ from actors.bench import report
 from actors.bench.driver import drive
 from actors.bench.workloads import WORKLOADS, Job, poisson
 from actors.eventlog import read_events
+from actors.replay.runlog import keep_run, slug
 
 SUMMARY_COLS = [
     "run",
@@ -134,6 +135,8 @@ def run_once(a: argparse.Namespace, name: str, flags: str, jobs: list[Job]) -> d
         records, wall = trio.run(drive, endpoint, jobs, a.concurrency, progress_printer(len(jobs)))
         t_end = time.time()
         events = read_events(run_dir)
+        if a.out:  # keep the run's events: `minirt replay OUT --run NAME` replays it
+            keep_run(events, t_start - 1.0, t_end + 1.0, Path(a.out) / "runs" / slug(name))
     recs = [r.summary() for r in records]
     run = {
         "name": name,
@@ -175,7 +178,9 @@ def compare_rows(
     del ex
     from actors.bench.vllm_row import bench_row  # vLLM CPU offline, its own venv and process
 
-    v = bench_row(model, prompts, new, outs, n / secs, max_model_len=spec.max_model_len)
+    v = bench_row(  # with its prefix cache, as the pipeline has one (W2 shares prefixes)
+        model, prompts, new, outs, n / secs, max_model_len=spec.max_model_len, prefix_caching=True
+    )
     rows.append(
         {"run": "vLLM CPU offline LLM.generate", "throughput_tok_s": v["vllm_tok_s"]}
         if "vllm_tok_s" in v
@@ -208,6 +213,7 @@ def main(argv: list[str]) -> int:
     # torch loads).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     a = _args(list(argv))
+    a.out = a.out or f"bench-out/{a.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     vocab, context = 32000, 4096
     if a.model or a.start:
         import json as _json

@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 VENV_PYTHON = Path(".minirt/bench-openai/vllm/bin/python")
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -33,6 +34,7 @@ class VllmResult:
     rss_mb: float  # peak over the runs, summed over vLLM's processes
     seconds: list[float]  # per run, LLM.generate's wall time
     outputs: list[list[list[int]] | None] = field(default_factory=list)
+    rss_processes: list[str] = field(default_factory=list)  # the processes summed in rss_mb
 
 
 def python() -> Path | Skipped:
@@ -57,11 +59,14 @@ def run(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     kv_gib: int = 4,
+    prefix_caching: bool = False,
     keep_outputs: bool = False,
     timeout: float = 3600,
 ) -> VllmResult | Skipped:
     """Load vLLM once and time ``LLM.generate(prompts, max_tokens)`` for each ``(prompts,
-    max_tokens)`` of ``runs`` (after a warm-up), greedy, EOS ignored."""
+    max_tokens)`` of ``runs`` (after a warm-up), greedy, EOS ignored. ``prefix_caching`` off by
+    default: runs repeat prompts (a later run would skip their prefill), and the executor alone
+    has no prefix cache; on for comparisons with the whole pipeline, which has one."""
     py = python()
     if isinstance(py, Skipped):
         return py
@@ -72,6 +77,7 @@ def run(
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "prefix_caching": prefix_caching,
         "runs": [{"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs} for p, n in runs],
     }
     cores = sorted(os.sched_getaffinity(0))
@@ -104,6 +110,7 @@ def run(
         res["rss_mb"],
         [r["seconds"] for r in res["runs"]],
         [r["outputs"] for r in res["runs"]],
+        res.get("rss_processes", []),
     )
 
 
@@ -113,8 +120,8 @@ def bench_row(
     new_tokens: int,
     ours_out: list[list[int]],
     ours_tok_s: float,
-    **engine,
-) -> dict:
+    **engine: Any,
+) -> dict[str, Any]:
     """vLLM on ``prompts`` and on the first prompt alone, beside our outputs and tok/s: its
     tok/s, ms per token alone, peak RSS, our ratio and identical outputs; or why it was skipped.
     ``engine``: :func:`run`'s keywords."""
@@ -126,13 +133,15 @@ def bench_row(
         return {"vllm_skipped": got.reason}
     n = sum(len(o) for o in ours_out)
     outs = got.outputs[0] or []
-    res = {
-        "vllm_tok_s": n / got.seconds[0],
+    vllm_tok_s = n / got.seconds[0]
+    res: dict[str, Any] = {
+        "vllm_tok_s": vllm_tok_s,
         "vllm_peak_rss_mb": got.rss_mb,
+        "vllm_rss_processes": got.rss_processes,
         "vllm_single_tpot_ms": 1e3 * got.seconds[1] / new_tokens,
         "identical_to_vllm": sum(x == y for x, y in zip(ours_out, outs, strict=False)),
     }
-    res["ratio_vs_vllm"] = ours_tok_s / res["vllm_tok_s"]
+    res["ratio_vs_vllm"] = ours_tok_s / vllm_tok_s
     print(
         f"vllm:       {res['vllm_tok_s']:.1f} tok/s, one request {res['vllm_single_tpot_ms']:.2f} "
         f"ms/token, RSS {got.rss_mb:.0f} MB -> ours is {res['ratio_vs_vllm']:.2f}x "

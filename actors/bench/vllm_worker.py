@@ -13,20 +13,26 @@ import sys
 import time
 
 
-def _rss_mb() -> float:
-    """Resident memory of this process and all its descendants (vLLM's engine core), now."""
+def _rss_mb() -> tuple[float, list[str]]:
+    """Resident memory of this process and its descendants (vLLM's engine core), now, and the
+    processes counted. torch inductor's compile-worker pool is left out: idle helpers that exist
+    only because vLLM compiles its graphs, and not a serving process."""
     try:
         import psutil
     except ImportError:
-        return 0.0
+        return 0.0, []
     me = psutil.Process()
-    total = me.memory_info().rss
+    total, names = me.memory_info().rss, [me.name()]
     for ch in me.children(recursive=True):
         try:
+            cmd = " ".join(ch.cmdline())
+            if "_inductor" in cmd or "compile_worker" in cmd:
+                continue
             total += ch.memory_info().rss
+            names.append(ch.name())
         except psutil.Error:
             pass
-    return total / 2**20
+    return total / 2**20, names
 
 
 def main(job_path: str, out_path: str) -> int:
@@ -46,6 +52,7 @@ def main(job_path: str, out_path: str) -> int:
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],
         skip_tokenizer_init=True,
+        enable_prefix_caching=bool(job.get("prefix_caching", False)),
         seed=0,
     )
     load_s = time.perf_counter() - t0
@@ -61,13 +68,15 @@ def main(job_path: str, out_path: str) -> int:
 
     generate([list(range(16, 48))] * 4, 4)  # warm-up: compile and first-call costs
     results = []
-    peak = _rss_mb()
+    peak, procs = _rss_mb()
     for run in job["runs"]:
         secs, outs = generate(run["prompts"], run["max_tokens"])
-        peak = max(peak, _rss_mb())
+        rss, names = _rss_mb()
+        if rss > peak:
+            peak, procs = rss, names
         results.append({"seconds": secs, "outputs": outs if run.get("keep_outputs") else None})
     with open(out_path, "w") as f:
-        json.dump({"load_s": load_s, "rss_mb": peak, "runs": results, "pid": os.getpid()}, f)
+        json.dump({"load_s": load_s, "rss_mb": peak, "rss_processes": procs, "runs": results}, f)
     return 0
 
 

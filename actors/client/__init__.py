@@ -6,12 +6,16 @@ async with open_client("ipc://.minirt/sock/client") as c:
 
 with SyncClient(endpoint) as c:
     for msg in c.stream(prompt="hello"): ...
+
+Both resume a stream whose connection to the front door is lost (it restarted) unless created
+with ``resume=False``: they resubmit the request with the tokens already received.
 """
 
 from actors.client.aio import AsyncClient, connect, open_client
 from actors.client.core import (
     READY_POLL_S,
     READY_TIMEOUT_S,
+    ConnectionLost,
     RequestError,
     Result,
     ServerWatch,
@@ -23,6 +27,7 @@ __all__ = [
     "READY_POLL_S",
     "READY_TIMEOUT_S",
     "AsyncClient",
+    "ConnectionLost",
     "RequestError",
     "Result",
     "ServerWatch",

@@ -10,12 +10,16 @@ import trio
 import zmq
 
 from actors.client.core import (
+    MAX_RESUMES,
     READY_POLL_S,
     READY_TIMEOUT_S,
+    ConnectionLost,
+    Lost,
     Result,
     ServerWatch,
     build_generate,
     ends_stream,
+    resumed,
 )
 from actors.runtime.security import CurveKeys
 from actors.runtime.transport import ZSocket, open_socket
@@ -33,10 +37,18 @@ def connect(endpoint: str, curve_dir: str | None = None) -> ZSocket:
 
 
 class AsyncClient:
-    """One DEALER connection; many concurrent requests, demultiplexed by request id."""
+    """One DEALER connection; many concurrent requests, demultiplexed by request id.
 
-    def __init__(self, sock: ZSocket) -> None:
+    With ``resume`` (the default), a request whose connection is lost (the front door restarted
+    or went silent) is not failed: once the service serves again the client resubmits it with
+    the token ids it already received, and its stream goes on with the next token (a second
+    ``Accepted`` is not yielded). After ``MAX_RESUMES`` lost connections it fails with
+    ``actor_dead``."""
+
+    def __init__(self, sock: ZSocket, resume: bool = True) -> None:
         self.sock = sock
+        self.resume = resume
+        self._rehello = trio.Lock()
         self.watch = ServerWatch()
         self._decoder: Decoder[Any] = Decoder(cm.ClientInbound)
         self._streams: dict[str, trio.MemorySendChannel[Any]] = {}
@@ -79,10 +91,13 @@ class AsyncClient:
             # late messages of finished requests are ignored
 
     async def _fail_all(self, reason: str) -> None:
-        for rid, chan in list(self._streams.items()):
-            self._streams.pop(rid, None)
-            await chan.send(self.watch.lost(reason, rid))
-            await chan.aclose()
+        """The connection is lost: tell every open stream, which resumes or fails (``stream``)."""
+        lost = Lost(reason, self.watch.boot_id)
+        for chan in list(self._streams.values()):
+            try:
+                await chan.send(lost)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
 
     async def _watchdog(self) -> None:
         """While requests are open, ping the server; fail them all if it stops answering."""
@@ -115,6 +130,28 @@ class AsyncClient:
                 await trio.sleep(READY_POLL_S)
         raise self.watch.not_ready(ready_timeout)
 
+    async def _reconnect(self, lost_boot: str, ready_timeout: float = READY_TIMEOUT_S) -> None:
+        """After a lost connection: handshake with the front door's successor (once for all the
+        streams that lost it) and wait until it serves."""
+        async with self._rehello:
+            if self.watch.boot_id != lost_boot:
+                return  # another stream already did
+            with trio.move_on_after(ready_timeout):
+                while True:
+                    while True:  # answers to earlier hellos would be mistaken for this one's
+                        try:
+                            self._control_recv.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    await self.sock.send([self.watch.hello()])
+                    with trio.move_on_after(0.5):  # a hello sent to the dead one is lost
+                        welcome = await self._control_recv.receive()
+                        if self.watch.welcomed(welcome) and self.watch.boot_id != lost_boot:
+                            self.watch.last_rx = trio.current_time()
+                            return
+                    await trio.sleep(READY_POLL_S)
+            raise self.watch.not_ready(ready_timeout)
+
     async def stream(self, request: Generate | None = None, **kwargs: Any) -> AsyncIterator[Any]:
         """Yield the server's messages for one request (Accepted, Delta..., Final).
         Raises ``RequestError`` on an error reply. Cancelling the iteration cancels the request."""
@@ -123,9 +160,28 @@ class AsyncClient:
         self._streams[req.request_id] = send
         self.watch.opened(trio.current_time())
         done = False
+        received: list[int] = []  # what a resume continues after
+        boot, resumes, skip_accepted = self.watch.boot_id, 0, False
         try:
             await self.sock.send([encode(req)])
             async for msg in recv:
+                if isinstance(msg, Lost):
+                    if msg.boot_id != boot:
+                        continue  # a loss of the connection before the last resume
+                    if not self.resume or resumes >= MAX_RESUMES:
+                        done = True
+                        why = f"{msg.reason}; resumed {resumes} times" if resumes else msg.reason
+                        raise ConnectionLost(self.watch.lost(why, req.request_id))
+                    resumes += 1
+                    await self._reconnect(boot)
+                    boot, skip_accepted = self.watch.boot_id, True
+                    await self.sock.send([encode(resumed(req, received))])
+                    continue
+                if skip_accepted and isinstance(msg, cm.Accepted):
+                    skip_accepted = False
+                    continue
+                if isinstance(msg, cm.Delta):
+                    received.extend(msg.token_ids)
                 done = isinstance(msg, (ErrorReply, cm.Final))
                 if ends_stream(msg):
                     yield msg
@@ -158,11 +214,13 @@ async def open_client(
     handshake: bool = True,
     curve_dir: str | None = None,
     ready_timeout: float = READY_TIMEOUT_S,
+    resume: bool = True,
 ) -> AsyncIterator[AsyncClient]:
     """Connect to the client endpoint; ``curve_dir`` holds keys from ``minirt keys`` when the
-    server requires CURVE. The handshake waits (up to ``ready_timeout`` s) until it serves."""
+    server requires CURVE. The handshake waits (up to ``ready_timeout`` s) until it serves.
+    ``resume``: resume streams whose connection was lost (see ``AsyncClient``)."""
     sock = connect(endpoint, curve_dir)
-    client = AsyncClient(sock)
+    client = AsyncClient(sock, resume)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._reader)

@@ -26,6 +26,7 @@ from messages.tokenizer import ChatMessage, Generate
 
 READY_TIMEOUT_S = 60.0  # how long a handshake waits for a runtime that does not serve yet
 READY_POLL_S = 0.1
+MAX_RESUMES = 5  # a stream resumed after this many lost connections fails instead
 
 
 class RequestError(RuntimeError):
@@ -37,6 +38,25 @@ class RequestError(RuntimeError):
         self.code = str(reply.code)
         self.field = reply.field
         self.request_id = reply.request_id
+
+
+class ConnectionLost(RequestError):
+    """The front door restarted or went silent while the request was open (``actor_dead``). A
+    client with ``resume`` on catches it, waits for the service to serve again and resubmits the
+    request with the tokens it already received (``Generate.resume_ids``)."""
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Internal to the trio client: the connection to the front door ``boot_id`` was lost."""
+
+    reason: str
+    boot_id: str
+
+
+def resumed(req: Generate, received: list[int]) -> Generate:
+    """``req`` again, continuing after the ``received`` token ids."""
+    return msgspec.structs.replace(req, resume_ids=list(received))
 
 
 @dataclass
@@ -106,7 +126,8 @@ class ServerWatch:
     """What both clients know of the server, without a socket: the handshake's answer, and
     whether the process that welcomed us restarted (a ``Pong`` with another boot id) or went
     silent. Silence counts only while a request is open; the client then pings every
-    ``probe_s``, and ``dead_s`` seconds without any message fail the open requests."""
+    ``probe_s``, and ``dead_s`` seconds without any message lose the open requests (the clients
+    then resume them, or fail them with ``resume=False``)."""
 
     def __init__(self, probe_s: float = 1.0, dead_s: float = 3.0) -> None:
         self.probe_s = probe_s
@@ -161,6 +182,10 @@ class ServerWatch:
 
     def ping(self) -> bytes:
         return encode(Ping(nonce=next(self._nonce)))
+
+    @property
+    def boot_id(self) -> str:
+        return self.welcome.boot_id if self.welcome else ""
 
     @staticmethod
     def lost(reason: str, request_id: str | None = None) -> ErrorReply:

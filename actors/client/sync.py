@@ -10,13 +10,15 @@ import zmq
 
 from actors.client.aio import connect
 from actors.client.core import (
+    MAX_RESUMES,
     READY_POLL_S,
     READY_TIMEOUT_S,
-    RequestError,
+    ConnectionLost,
     Result,
     ServerWatch,
     build_generate,
     ends_stream,
+    resumed,
 )
 from messages import client as cm
 from messages.codec import Decoder, encode
@@ -25,7 +27,9 @@ from messages.tokenizer import Cancel, Generate
 
 
 class SyncClient:
-    """Blocking client: one request at a time on one connection."""
+    """Blocking client: one request at a time on one connection. With ``resume`` (the default) a
+    request whose connection is lost is resubmitted with the tokens already received once the
+    service serves again (as ``AsyncClient``)."""
 
     def __init__(
         self,
@@ -33,7 +37,9 @@ class SyncClient:
         timeout_s: float = 600.0,
         curve_dir: str | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
+        resume: bool = True,
     ) -> None:
+        self.resume = resume
         self._zsock = connect(endpoint, curve_dir)
         self.sock = self._zsock.sock
         self.timeout_s = timeout_s
@@ -56,6 +62,22 @@ class SyncClient:
                 raise self.watch.not_ready(self.ready_timeout)
             time.sleep(READY_POLL_S)
 
+    def _reconnect(self) -> None:
+        """Handshake with the front door's successor and wait until it serves."""
+        lost_boot = self.watch.boot_id
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            self.sock.send(self.watch.hello())
+            if not self.sock.poll(500):
+                continue  # a hello sent to the dead one is lost: say it again
+            msg = self._decoder.decode(self.sock.recv())
+            if isinstance(msg, cm.Welcome) and msg.boot_id != lost_boot:
+                if self.watch.welcomed(msg):
+                    self.watch.last_rx = time.monotonic()
+                    return
+                time.sleep(READY_POLL_S)
+        raise self.watch.not_ready(self.ready_timeout)
+
     def __exit__(self, *exc: Any) -> None:
         self._zsock.close()
 
@@ -69,7 +91,7 @@ class SyncClient:
                 msg = self._decoder.decode(self.sock.recv())
                 lost = watch.heard(msg, time.monotonic())
                 if lost:
-                    raise RequestError(watch.lost(lost))
+                    raise ConnectionLost(watch.lost(lost))
                 if not isinstance(msg, Pong):
                     return msg
                 continue
@@ -78,7 +100,7 @@ class SyncClient:
                 raise TimeoutError(f"no answer from the server in {self.timeout_s:.0f}s")
             lost = watch.silence(now)
             if lost:
-                raise RequestError(watch.lost(lost))
+                raise ConnectionLost(watch.lost(lost))
             if watch.open:
                 try:
                     self.sock.send(watch.ping(), zmq.NOBLOCK)
@@ -90,11 +112,28 @@ class SyncClient:
         self.sock.send(encode(req))
         self.watch.opened(time.monotonic())
         done = False
+        received: list[int] = []  # what a resume continues after
+        resumes, skip_accepted = 0, False
         try:
             while True:
-                msg = self._recv()
+                try:
+                    msg = self._recv()
+                except ConnectionLost:
+                    if not self.resume or resumes >= MAX_RESUMES:
+                        done = True
+                        raise
+                    resumes += 1
+                    self._reconnect()
+                    self.sock.send(encode(resumed(req, received)))
+                    skip_accepted = True
+                    continue
                 if getattr(msg, "request_id", req.request_id) != req.request_id:
                     continue
+                if skip_accepted and isinstance(msg, cm.Accepted):
+                    skip_accepted = False
+                    continue
+                if isinstance(msg, cm.Delta):
+                    received.extend(msg.token_ids)
                 done = isinstance(msg, (ErrorReply, cm.Final))
                 if ends_stream(msg):
                     yield msg

@@ -117,6 +117,7 @@ class KVCore:
             new_blocks=len(res.new_blocks),
             reused_blocks=len(res.block_table) - len(res.new_blocks),
             free=mgr.pool.num_free,
+            in_use=mgr.stats().in_use,  # the rest of the pool is cached-only (the dashboard)
         )
         result = AdmitResult(
             request_id=rid,
@@ -144,7 +145,12 @@ class KVCore:
                 self.log.info("kv.evicted", request_id=rid, blocks=res.evicted_blocks)
             if res.new_blocks:
                 self.log.info(
-                    "kv.extended", request_id=rid, blocks=res.new_blocks, total_tokens=total
+                    "kv.extended",
+                    request_id=rid,
+                    blocks=res.new_blocks,
+                    total_tokens=total,
+                    free=self.mgr.pool.num_free,
+                    in_use=self.mgr.stats().in_use,
                 )
                 ext = Extend(request_id=rid, attempt=attempt, blocks=res.new_blocks)
                 self.outbox.append(("executor", ext))
@@ -193,6 +199,7 @@ class KVCore:
             reason=reason,
             freed=len(freed),
             free=self.mgr.pool.num_free,
+            in_use=self.mgr.stats().in_use,
         )
         for other, (attempt, total) in list(self.pending_growth.items()):
             if not self._current(other, attempt):

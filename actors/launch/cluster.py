@@ -79,7 +79,7 @@ class Cluster:
                     r.argv(spec.flags, sys.executable),
                     logs / f"{r.name}.log",
                     r.env(),
-                    r.cpus,
+                    r.cpus if r.pin else None,
                 ),
             )
             for r in spec.replicas
@@ -97,10 +97,11 @@ class Cluster:
                         await child.start()
                         self.log.info(
                             "cluster.replica_started",
-                            replica=spec.name,
+                            child=spec.name,
                             pid=child.proc.pid,
                             url=spec.url,
                             cpus=list(spec.cpus),
+                            pinned=spec.pin,
                         )
                         waits.start_soon(self._replica_ready, spec, child, timeout, True)
                 await self.router.start()
@@ -140,7 +141,7 @@ class Cluster:
                     )
                 status, _ = await trio.to_thread.run_sync(http_get, f"{spec.url}/health", "", 2.0)
                 if status == 200:
-                    self.log.info("cluster.replica_ready", replica=spec.name, url=spec.url)
+                    self.log.info("cluster.replica_ready", child=spec.name, url=spec.url)
                     return
                 await trio.sleep(0.25)
         if scope.cancelled_caught and fatal:

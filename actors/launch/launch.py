@@ -45,7 +45,11 @@ class Runtime:
 def start_runtime(
     model: Path, run_dir: Path, *flags: str, timeout: float = 90.0
 ) -> Iterator[Runtime]:
-    """``minirt up`` in a subprocess; yields once it printed ``minirt ready``; stops it after."""
+    """``minirt up`` in a subprocess; yields once it printed ``minirt ready``; stops it after.
+    No HTTP server unless ``flags`` ask for one (``--http-port``): runs side by side would all
+    want port 8000."""
+    if not any(f == "--http-port" or f.startswith("--http-port=") for f in flags):
+        flags = (*flags, "--http-port", "0")
     cmd = [
         sys.executable,
         "-m",

@@ -21,7 +21,8 @@ CLUSTER_FLAGS = frozenset(
     | {"--router-flags"}
 )
 PER_INSTANCE_ENDPOINTS = frozenset(
-    f"--{n}-endpoint" for n in ("client", "tokenizer", "scheduler", "kv-manager", "executor")
+    f"--{n}-endpoint"
+    for n in ("client", "tokenizer", "scheduler", "kv-manager", "executor", "http")
 )
 
 
@@ -30,9 +31,10 @@ class ReplicaSpec:
     name: str
     run_dir: Path
     http_port: int
-    cpus: tuple[int, ...]
+    cpus: tuple[int, ...]  # its CPU share: --threads is its size
     http_host: str = "127.0.0.1"
     metrics_port: int | None = None  # the scheduler's Prometheus port, when the user set one
+    pin: bool = False  # pinned to ``cpus`` (only with 2+ CPUs each: see ``plan``)
 
     @property
     def url(self) -> str:
@@ -69,6 +71,12 @@ class ClusterSpec:
     replicas: list[ReplicaSpec]
     router: RouterSpec
     flags: list[str] = field(default_factory=list)  # `minirt up` flags every replica gets
+
+
+# Pin replicas to their CPUs only when each gets at least this many: a replica's five processes
+# on one pinned core stall together when anything else runs there (on a 2-core machine under
+# load they missed their heartbeats); the OS scheduler spreads them better.
+PIN_MIN_CPUS = 2
 
 
 def split_cpus(cpus: Sequence[int], n: int) -> list[tuple[int, ...]]:
@@ -124,6 +132,7 @@ def plan(
             ports[i],
             sets[i],
             metrics_port=None if replica_metrics_port is None else replica_metrics_port + i,
+            pin=all(len(c) >= PIN_MIN_CPUS for c in sets),
         )
         for i in range(n)
     ]

@@ -82,7 +82,9 @@ class Child:
 class Supervisor:
     def __init__(self, cfg: RuntimeConfig, config_path: Path, max_restarts: int = 5) -> None:
         self.cfg = cfg
-        self.children = {n: Child(n, config_path, Path(cfg.run_dir)) for n in ACTORS}
+        # the four actors, and the HTTP server unless --http-port 0 turned it off
+        names = (*ACTORS, "http") if cfg.http.port else ACTORS
+        self.children = {n: Child(n, config_path, Path(cfg.run_dir)) for n in names}
         self.max_restarts = max_restarts
         self.log = get_logger()
         self.stopping = False
@@ -98,7 +100,7 @@ class Supervisor:
                     self.log.info("supervisor.child_started", child=child.name, pid=child.proc.pid)
                 async with trio.open_nursery() as waits:
                     waits.start_soon(self._fail_fast)
-                    for name in ACTORS:
+                    for name in self.children:
                         waits.start_soon(self._ready, waits, name, ready_timeout)
                 for child in self.children.values():
                     nursery.start_soon(self._watch, child)
@@ -112,7 +114,7 @@ class Supervisor:
     async def _ready(self, waits: trio.Nursery, name: str, timeout: float) -> None:
         await wait_ready(self.cfg.endpoints.of(name), timeout, 0.2, self.cfg.curve_keys())
         self._ready_count += 1
-        if self._ready_count == len(ACTORS):
+        if self._ready_count == len(self.children):
             waits.cancel_scope.cancel()  # all ready: stop the fail-fast watcher
 
     async def _fail_fast(self) -> None:

@@ -65,11 +65,7 @@ class SimFrontDoor:
         )  # fmt: skip
         self.state[rid] = _Live(spec)
         self.live.add(rid)
-        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
-        if spec.priority:
-            params = SamplingParams(
-                max_tokens=spec.max_tokens, ignore_eos=True, priority=spec.priority
-            )
+        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, priority=spec.priority)
         submit = Submit(
             request_id=rid,
             prompt_ids=self.prompt_of(spec),

@@ -30,7 +30,7 @@ import numpy as np
 FEATURES = ("prefill_tokens", "decode_tokens", "prefill_chunks", "decode_ctx", "prefill_ctx")
 OPTIONAL = ("decode_ctx", "prefill_ctx")
 FILENAME = "stepmodel.json"
-SCALE_Z = 20.0  # steps past this many robust deviations (stalls) stay out of the scale
+SCALE_Z = 50.0  # steps past this many robust deviations (stalls) stay out of the scale
 
 
 def features(e: dict[str, Any]) -> list[float]:

@@ -47,6 +47,7 @@ class Endpoints:
     scheduler: str = _endpoint("scheduler")
     kv_manager: str = _endpoint("kv_manager")
     executor: str = _endpoint("executor")
+    http: str = _endpoint("http")  # the HTTP actor's inbox (pings); its API is HttpConfig's
 
     def of(self, actor: str) -> str:
         return str(getattr(self, actor))
@@ -142,16 +143,46 @@ class SecurityConfig:
 
 
 @dataclass
+class HttpConfig:
+    """The OpenAI-compatible HTTP API (the ``http`` actor, tokenizer_svc/http/)."""
+
+    port: int = field(
+        default=8000, metadata=doc("OpenAI API port (0: no HTTP server)", flag="http-port")
+    )
+    host: str = field(
+        default="127.0.0.1",
+        metadata=doc(
+            "OpenAI API address; beyond loopback needs --allow-remote and --api-key",
+            flag="http-host",
+        ),
+    )
+    api_key: str = field(
+        default="",
+        metadata=doc("require `Authorization: Bearer KEY` on every HTTP request but /health"),
+    )
+    served_model_name: str = field(
+        default="", metadata=doc("the model's name in the API (default: --model as given)")
+    )
+
+
+@dataclass
 class RuntimeConfig:
     model: str = field(
         default="", metadata=doc("model directory (HF layout); default: built-in tiny model")
     )
     run_dir: str = field(default=".minirt", metadata=doc("sockets, events and logs go here"))
+    replica: str = field(
+        default="",
+        metadata=doc(
+            "this instance's name among replicas: every event carries it (set by --replicas)"
+        ),
+    )
     endpoints: Endpoints = field(default_factory=Endpoints)
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     max_msg_size: int = field(default=64 * 1024 * 1024, metadata=doc("largest frame, in bytes"))
     heartbeat_s: float = field(
         default=0.5, metadata=doc("ping peers this often; 3 silent heartbeats mean dead")
@@ -161,7 +192,7 @@ class RuntimeConfig:
         """Fill empty endpoints with ipc sockets under the run dir; make the run dir absolute."""
         self.run_dir = str(Path(self.run_dir).absolute())
         sock = Path(self.run_dir) / "sock"
-        for name in ("client", *ACTORS):
+        for name in ("client", *ACTORS, "http"):
             if not getattr(self.endpoints, name):
                 setattr(self.endpoints, name, f"ipc://{sock / name}")
         return self

@@ -9,6 +9,7 @@ Configure once per process with ``configure(actor, run_dir)``; then ``log = get_
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,10 +48,18 @@ def _add_ts(_: Any, __: str, event_dict: Any) -> Any:
     return event_dict
 
 
-def configure(actor: str, run_dir: str | Path | None = None, stdout: bool = True) -> Path | None:
+def configure(
+    actor: str,
+    run_dir: str | Path | None = None,
+    stdout: bool = True,
+    replica: str | None = None,
+) -> Path | None:
     """Route this process's events to stdout and (if ``run_dir``) RUN_DIR/events/ACTOR.jsonl.
 
-    Returns the event file's path. Safe to call again (tests); the last call wins.
+    ``replica`` (default: ``$MINIRT_REPLICA``, which ``minirt up --replicas`` and ``--replica``
+    set for every process of an instance) names the instance among replicas: each event then
+    carries ``"replica"``. Returns the event file's path. Safe to call again (tests); the last
+    call wins.
     """
     streams: list[TextIO] = []
     path = None
@@ -76,6 +85,9 @@ def configure(actor: str, run_dir: str | Path | None = None, stdout: bool = True
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(actor=actor)
+    replica = os.environ.get("MINIRT_REPLICA", "") if replica is None else replica
+    if replica:
+        structlog.contextvars.bind_contextvars(replica=replica)
     return path
 
 

@@ -20,6 +20,8 @@ from messages.scheduler import (
     BlocksFreed,
     Completed,
     GrowthShortage,
+    MetricsQuery,
+    MetricsText,
     PrefillDone,
     RequestDone,
     SchedulerInbound,
@@ -49,6 +51,7 @@ class SchedulerActor(Actor):
             **dataclasses.asdict(cfg.scheduler),
             kv_mode=cfg.kv.mode,
             block_size=cfg.kv.block_size,
+            victim_policy=cfg.kv.victim_policy,
         )
 
     async def start_tasks(self, nursery: trio.Nursery) -> None:
@@ -105,6 +108,8 @@ class SchedulerActor(Actor):
             core.prefill_done(msg)
         elif isinstance(msg, Completed):
             self.metrics.completed(msg)
+        elif isinstance(msg, MetricsQuery):
+            self.reply(ident, MetricsText(text=self.metrics.render().decode()))
         self._flush()
 
     def _flush(self) -> None:

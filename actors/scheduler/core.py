@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from actors.replay.blockhash import chain_hashes
 from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.admission import AdmissionMixin
 from actors.scheduler.base import AdmissionState
@@ -74,7 +75,18 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
             )
             self._send("tokenizer", dup)
             return
-        if len(self.queue) >= self.cfg.max_waiting:
+        if len(msg.output_ids) >= msg.params.max_tokens:
+            bad = tm.RequestFailed(
+                request_id=rid,
+                code=ErrorCode.INVALID,
+                message=f"{len(msg.output_ids)} tokens already generated, max_tokens is "
+                f"{msg.params.max_tokens}: nothing to resume",
+                field="output_ids",
+            )
+            self._send("tokenizer", bad)
+            return
+        # A resumed request was accepted before its attempt died: never refused as overload.
+        if not msg.resume_reason and len(self.queue) >= self.cfg.max_waiting:
             waiting, cap = len(self.queue), self.cfg.max_waiting
             self.log.info("request.overloaded", request_id=rid, waiting=waiting, max_waiting=cap)
             full = tm.RequestFailed(
@@ -86,12 +98,27 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
             return
         self._seq += 1
         req = SchedRequest(rid, msg.prompt_ids, msg.params, msg.arrival, self.clock(), self._seq)
+        req.output_ids = list(msg.output_ids)
         self.requests[rid] = req
-        self.queue.push(req)
+        if msg.resume_reason:
+            self.log.info(
+                "request.resumed",
+                request_id=rid,
+                reason=msg.resume_reason,
+                resumes=msg.resumes,
+                output_tokens=len(msg.output_ids),
+                recomputed_tokens=len(req.tokens_now()),
+            )
+            self.queue.push_front(req)  # it was running or waiting before: ahead of new ones
+        else:
+            self.queue.push(req)
         self.log.info(
             "request.queued",
             request_id=rid,
             prompt_tokens=len(msg.prompt_ids),
+            max_tokens=msg.params.max_tokens,
+            priority=msg.params.priority,
+            block_hashes=chain_hashes(msg.prompt_ids, self.kv.block_size),  # for replays
             waiting=len(self.queue),
             running=len(self.running),
         )
@@ -162,6 +189,9 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
                 finish_reason=msg.finish_reason,
                 output_tokens=len(req.output_ids) + len(msg.output_ids),
                 preemptions=req.preemptions,
+                kv_tail_hashes=chain_hashes(msg.kv_token_ids, self.kv.block_size)[
+                    len(req.prompt_ids) // self.kv.block_size :
+                ],  # the cached blocks past the prompt's (what a next turn reuses), for replays
             )
             self._drop(req)
         elif msg.status == "preempted" and req.abort_reason is None:
@@ -175,10 +205,12 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
         self.schedule()
 
     def reset(self, reason: str) -> None:
-        """An actor died: every request in flight is lost. Fail them all and start empty. Blocks
-        held for them are released and the executor told to stop them (both ignore requests they
-        no longer know, e.g. when they are the ones that restarted). These releases are not
-        counted as frees in flight: the count starts again from zero."""
+        """An actor died: every attempt in flight is lost. Fail them all with ``actor_dead`` (the
+        front door, which holds the tokens each one streamed, submits them again as resumed
+        requests: ``tokenizer_svc/resume.py``) and start empty. Blocks held for them are released
+        and the executor told to stop them (both ignore requests they no longer know, e.g. when
+        they are the ones that restarted). These releases are not counted as frees in flight:
+        the count starts again from zero."""
         for req in list(self.requests.values()):
             if req.status.holds_blocks or req.status is Status.ADMITTING:
                 rid, attempt = req.request_id, req.attempt

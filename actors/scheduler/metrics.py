@@ -106,7 +106,9 @@ class Metrics:
         if now > self._preempt_seen:
             self._preempt.inc(now - self._preempt_seen)
             self._preempt_seen = now
-        return bytes(generate_latest(self.registry))
+        text = bytes(generate_latest(self.registry))
+        # and again under vLLM's own names, which routers and benchmark clients read
+        return text + text.replace(b"minirt:", b"vllm:")
 
 
 async def serve_metrics(

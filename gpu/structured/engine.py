@@ -11,18 +11,16 @@ where the grammar does not accept.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from gpu.structured.grammar import Compiled, GrammarCache, hf_llg_tokenizer
+from gpu.requests import ExecutorInputError, RequestState
+from gpu.structured.grammar import Compiled, GrammarCache, GrammarError, hf_llg_tokenizer
 from gpu.structured.masks import GrammarState, Masker
 from messages.common import SamplingParams, StructuredOutput
-
-if TYPE_CHECKING:
-    from gpu.requests import RequestState
 
 
 class StructuredEngine:
@@ -56,17 +54,35 @@ class StructuredEngine:
         """``(compiled, cache_hit)``; raises GrammarError naming the field. Thread-safe."""
         return self.cache.compile(s)
 
-    def state(self, compiled: Compiled, prompt: list[int], prior: int) -> GrammarState:
-        """A request's grammar state, past its ``prior`` earlier outputs (the end of ``prompt``);
-        raises ValueError if they do not match."""
-        return GrammarState(compiled, prompt[len(prompt) - prior :] if prior else [])
+    def state(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: list[int],
+        prior: int,
+        compiled: Compiled | None = None,
+    ) -> GrammarState | None:
+        """A new request's grammar state (None if unconstrained), past its ``prior`` earlier
+        outputs (the end of ``prompt``); compiled here (cached) unless given. Raises
+        ExecutorInputError for a constraint that does not compile or outputs it rejects."""
+        if params.structured is None:
+            return None
+        try:
+            compiled = compiled or self.compile(params.structured)[0]
+            return GrammarState(compiled, prompt[len(prompt) - prior :] if prior else [])
+        except GrammarError as e:
+            raise ExecutorInputError(request_id, e.field, e.reason) from None
+        except ValueError as e:
+            raise ExecutorInputError(request_id, "prior_output_tokens", str(e)) from None
 
     @property
     def masker(self) -> Masker:
         if self._masker is None:
-            self._masker = Masker(
-                self.vocab_size, self.eos_ids, self.device, torch.get_num_threads()
-            )
+            # On a CPU device the fill overlaps the forward, which holds every core: one
+            # thread, so as not to oversubscribe them. Beside an accelerator the cores are free.
+            cores = os.cpu_count() or 1
+            threads = 1 if self.device.type == "cpu" else max(1, min(8, cores // 2))
+            self._masker = Masker(self.vocab_size, self.eos_ids, self.device, threads)
         return self._masker
 
     def start(self, reqs: list[RequestState]) -> Future | None:

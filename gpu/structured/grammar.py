@@ -209,7 +209,11 @@ class GrammarCache:
             grammar = grammar_of(c)
         except GrammarError as e:
             return e
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        tok = self.tokenizer()
+        try:
+            matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        except Exception as e:  # documented not to raise for a bad grammar; never crash on one
+            return GrammarError(c.field, _short(str(e)))
         if matcher.is_error():
             return GrammarError(c.field, _short(matcher.get_error()))
         return Compiled(c, matcher, time.perf_counter() - t0)

@@ -8,39 +8,17 @@ the supervisor's readiness check: ready once it listens and the front door welco
 from __future__ import annotations
 
 import ipaddress
-import os
-import signal
-from dataclasses import dataclass
 from typing import Any, cast
 
 import trio
 
 from actors.runtime.actor import Actor
-from actors.runtime.config import RuntimeConfig
-from actors.runtime.events import configure, get_logger
+from actors.runtime.config import HttpConfig, RuntimeConfig
 from messages.common import Hello, Ping
 from tokenizer_svc.http.app import ACTORS, Server, build_app
 from tokenizer_svc.http.metrics import scheduler_text
 from tokenizer_svc.http.model import ModelInfo
 from tokenizer_svc.http.upstream import Upstream
-
-
-@dataclass
-class HttpSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str = ""
-    served_model_name: str = ""
-
-    @classmethod
-    def of(cls, cfg: RuntimeConfig) -> HttpSettings:
-        """From ``cfg.http`` (``HttpConfig``) when the config has one, else the defaults."""
-        section = getattr(cfg, "http", None)
-        if section is None:
-            return cls()
-        return cls(
-            **{k: getattr(section, k) for k in cls.__dataclass_fields__ if hasattr(section, k)}
-        )
 
 
 def is_loopback(host: str) -> bool:
@@ -52,7 +30,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(settings: HttpSettings, allow_remote: bool) -> None:
+def check_bind(settings: HttpConfig, allow_remote: bool) -> None:
     """A non-loopback address needs ``--allow-remote`` and an API key."""
     if is_loopback(settings.host):
         return
@@ -63,21 +41,14 @@ def check_bind(settings: HttpSettings, allow_remote: bool) -> None:
         )
 
 
-def inbox_endpoint(cfg: RuntimeConfig) -> str:
-    given = getattr(cfg.endpoints, "http", "")
-    return str(given) if given else f"ipc://{cfg.run_dir}/sock/http"
-
-
 class HttpActor(Actor):
     name = "http"
     inbound = Hello | Ping
     peers = ()
 
-    def __init__(self, cfg: RuntimeConfig, settings: HttpSettings | None = None) -> None:
-        if not getattr(cfg.endpoints, "http", ""):
-            cfg.endpoints.http = inbox_endpoint(cfg)  # type: ignore[attr-defined]
+    def __init__(self, cfg: RuntimeConfig) -> None:
         super().__init__(cfg)
-        self.settings = settings or HttpSettings.of(cfg)
+        self.settings = cfg.http
         check_bind(self.settings, cfg.security.allow_remote)
         self.model = ModelInfo.load(cfg.model, self.settings.served_model_name)
         self.upstream = Upstream(cfg.endpoints.client, cfg.security.curve_dir, self.log)
@@ -107,9 +78,16 @@ class HttpActor(Actor):
         config.backlog = 4096
         config.graceful_timeout = 1.0
         nursery.start_soon(self.upstream.run)
-        binds = await nursery.start(
-            lambda task_status: serve(cast(Any, build_app(server)), config, task_status=task_status)
-        )
+        try:
+            binds = await nursery.start(
+                lambda task_status: serve(
+                    cast(Any, build_app(server)), config, task_status=task_status
+                )
+            )
+        except OSError as e:  # the port is taken, say: say so plainly and stop
+            where = config.bind[0]
+            self.log.error("http.listen_failed", address=where, error=str(e))
+            raise SystemExit(f"http: cannot listen on {where}: {e} (see --http-port)") from None
         self.url = binds[0]
         self.log.info(
             "http.listening",
@@ -127,29 +105,3 @@ class HttpActor(Actor):
 
     def handle(self, ident: bytes, msg: Any) -> None:
         """Only pings and hellos come here; the base class answers both."""
-
-
-async def _serve(actor: HttpActor) -> None:
-    log = get_logger()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.serve)
-        log.info("actor.ready", pid=os.getpid())
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
-
-
-def run(cfg: RuntimeConfig, settings: HttpSettings | None = None) -> int:
-    """Serve HTTP until SIGTERM/SIGINT (``python -m tokenizer_svc.http``)."""
-    cfg.resolve()
-    configure("http", cfg.run_dir)
-    log = get_logger()
-    try:
-        actor = HttpActor(cfg, settings)
-    except Exception as e:
-        log.exception("actor.failed_to_start", error=str(e))
-        return 2
-    trio.run(_serve, actor)
-    log.info("actor.stopped")
-    return 0

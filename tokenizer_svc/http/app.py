@@ -153,6 +153,13 @@ def build_app(server: Server) -> Gate:
             v = "unknown"
         return JSON({"version": v})
 
+    async def server_info(request: Request) -> JSON:
+        # sglang-router asks for this when it registers a worker (docs/scale-out.md) and lists
+        # the model under this name. No model_path: the router would try to load a tokenizer
+        # from it (from Hugging Face when the path is not on the router's host).
+        m = server.model
+        return JSON({"served_model_name": m.served_name, "max_model_len": m.max_model_len})
+
     async def tokenize(request: Request) -> JSON:
         req = await _body(request, TokenizeRequest)
         m = server.model
@@ -206,6 +213,7 @@ def build_app(server: Server) -> Gate:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]

@@ -23,6 +23,7 @@ from tokenizer_svc.http.schemas import (
     CompletionRequest,
     _Sampling,
 )
+from tokenizer_svc.http.structured import structured_of
 from tokenizer_svc.requests import Invalid, tokenize_request
 
 MAX_CHOICES = 256  # prompts x n in one request
@@ -97,12 +98,6 @@ def _context_message(model: ModelInfo, detail: str) -> str:
 
 def _check_common(req: _Sampling, model: ModelInfo) -> None:
     model.check_model(req.model)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise invalid(
-            "response_format",
-            f"response_format: type {req.response_format.type!r} is not supported yet "
-            "(only 'text'; structured output comes later)",
-        )
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "stream_options: only allowed when stream is true")
     if req.best_of is not None and req.best_of > req.n:
@@ -121,6 +116,9 @@ def _params(req: _Sampling, model: ModelInfo, max_tokens: int, logprobs: int | N
         logprobs=logprobs,
         priority=req.priority,
     )
+    structured = structured_of(req, model)  # response_format / structured_outputs; 400 if bad
+    if structured is not None:
+        kw["structured"] = structured
     extras: dict[str, tuple[Any, Any]] = {
         "presence_penalty": (req.presence_penalty, 0.0),
         "frequency_penalty": (req.frequency_penalty, 0.0),

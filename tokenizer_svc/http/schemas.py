@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenizer_svc.http.structured import JsonSchemaFormat, StructuredOutputsIn
+
 MAX_N = 64
 MAX_LOGPROBS = 20
 
@@ -28,6 +30,7 @@ class StreamOptions(_Body):
 
 class ResponseFormat(_Body):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None  # type "json_schema" (see http/structured.py)
 
 
 class _Sampling(_Body):
@@ -55,6 +58,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None  # vLLM's extension
 
 
 class CompletionRequest(_Sampling):

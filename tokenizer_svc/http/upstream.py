@@ -80,7 +80,8 @@ class Upstream:
                 return
 
     async def _connection(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with open_client(self.endpoint, curve_dir=self.curve_dir) as client:
+        # resume=False: its requests fail as actor_dead when the front door restarts (above)
+        async with open_client(self.endpoint, curve_dir=self.curve_dir, resume=False) as client:
             key = id(client)
             self._inflight[key] = 0
             task_status.started(client)

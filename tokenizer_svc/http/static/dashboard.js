@@ -1,6 +1,7 @@
 /* minirt dashboard, the wiring: the event source (live SSE, or the events embedded by a static
  * export), batching in time order, the render loop, clicks. URL parameters: request=ID (open
- * its life), window_s=60 (chart span), cap_NAME=N (buffer caps, see MR.DEFAULT_CAPS). */
+ * its life), window_s=60 (chart span), refresh_ms=500 (render period), cap_NAME=N (buffer caps,
+ * see MR.DEFAULT_CAPS). */
 (function (MR) {
   "use strict";
   const params = new URLSearchParams(location.search);
@@ -14,11 +15,13 @@
   const model = new MR.Model(caps);
   const ui = { selected: params.get("request") || (exported && exported.focus) || null,
     windowS: Math.max(1, parseFloat(params.get("window_s")) || 60), offset: 0,
+    refreshMs: Math.max(100, parseInt(params.get("refresh_ms"), 10) || 500),
     conn: { text: "connecting…", kind: "wait" }, lastTick: 0, rate: 0, loading: false };
   let pending = [], dirty = true, seenAt = [];
   MR.model = model; MR.ui = ui;
   MR.stats = () => Object.assign(model.bufferSizes(), { pending: pending.length,
-    live: model.liveCounts(), conn: ui.conn.kind });
+    live: model.liveCounts(), conn: ui.conn.kind, renders: ui.renders || 0,
+    render_ms: Math.round(ui.renderMs || 0) });
 
   // A finished or replayed run (its last event over 30 s old) is shown as of its last event.
   const clockNow = () => Date.now() / 1000 + ui.offset;
@@ -67,6 +70,7 @@
 
   function render() {
     if (document.hidden && !exported) return;
+    const start = performance.now();
     const t = now(), cutoff = Date.now() - 5000;
     seenAt = seenAt.filter(([at]) => at >= cutoff);
     ui.rate = seenAt.reduce((a, [, n]) => a + n, 0) / 5;
@@ -76,6 +80,11 @@
     document.body.classList.toggle("replicas", showRep);
     const conn = !exported && ui.conn.kind === "live" && historic()
       ? { text: "live · idle: showing the log as of its last event", kind: "live" } : ui.conn;
+    // the canvases first: reading their sizes after the DOM updates below would force a layout
+    const t0 = exported ? (model.firstTs || 0) : Math.max(model.firstTs || 0, t - ui.windowS);
+    MR.drawSteps(document.getElementById("c-steps"), model.steps.toArray(), 120);
+    MR.drawKV(document.getElementById("c-kv"), model.kvSamples.toArray(), model.marks.toArray(), t0, t);
+    MR.drawHits(document.getElementById("c-hits"), model.hits.toArray(), t0, t, 20);
     MR.renderHeader(model, conn, ui.rate);
     MR.renderWaiting(model, t, showRep);
     MR.renderRunning(model, t, showRep);
@@ -86,11 +95,9 @@
     MR.renderLife(model, ui.selected, t);
     MR.renderTail(model);
     MR.renderBuffers(model);
-    const t0 = exported ? (model.firstTs || 0) : Math.max(model.firstTs || 0, t - ui.windowS);
-    MR.drawSteps(document.getElementById("c-steps"), model.steps.toArray(), 120);
-    MR.drawKV(document.getElementById("c-kv"), model.kvSamples.toArray(), model.marks.toArray(), t0, t);
-    MR.drawHits(document.getElementById("c-hits"), model.hits.toArray(), t0, t, 20);
     dirty = false;
+    ui.renders = (ui.renders || 0) + 1;
+    ui.renderMs = (ui.renderMs || 0) + (performance.now() - start);
   }
   MR.render = render;
 
@@ -113,6 +120,6 @@
   } else {
     connect();
     setInterval(() => { if (!ui.loading) flush(); }, 100);
-    setInterval(() => { if (dirty || !document.hidden) render(); }, 250);
+    setInterval(() => { if (dirty || !document.hidden) render(); }, ui.refreshMs);
   }
 })(window.MR = window.MR || {});

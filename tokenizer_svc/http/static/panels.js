@@ -5,7 +5,8 @@
   const esc = (s) => String(s === null || s === undefined ? "" : s).replace(/[&<>"']/g,
     (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
   const ms = (s) => (s === null || s === undefined || isNaN(s)) ? "" : (s * 1000).toFixed(s < 0.01 ? 2 : 0) + " ms";
-  const age = (s) => s < 1 ? (s * 1000).toFixed(0) + " ms" : s < 120 ? s.toFixed(1) + " s" : (s / 60).toFixed(1) + " min";
+  // whole seconds: a row's text then changes once a second, not at every render (less layout)
+  const age = (s) => s < 1 ? "<1 s" : s < 120 ? Math.floor(s) + " s" : (s / 60).toFixed(1) + " min";
   const short = (id) => id.length > 14 ? id.slice(0, 12) + "…" : id;
   const ridCell = (r) => `<td class="rid" title="${esc(r.rid)}">${esc(short(r.clientId))}</td>`;
   MR.esc = esc;
@@ -97,6 +98,8 @@
     const el = $("kv-now");
     if (!s) { el.textContent = ""; return; }
     el.dataset.free = s.free; el.dataset.total = s.total;
+    el.dataset.inUse = s.inUse === null ? "" : s.inUse;
+    el.dataset.cachedOnly = s.cachedOnly === null ? "" : s.cachedOnly;
     el.innerHTML = s.inUse !== null
       ? `<span class="k inuse">in use ${s.inUse}</span> · <span class="k cached">cached-only ${s.cachedOnly}</span> · <span class="k free">free ${s.free}</span> of ${s.total}`
       : `<span class="k held">held ${s.held}</span> (in use + cached) · <span class="k free">free ${s.free}</span> of ${s.total}`;

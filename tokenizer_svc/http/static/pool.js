@@ -14,7 +14,7 @@
     const k = this.kvOf(e);
     if (e.in_use !== undefined) k.inUse = Number(e.in_use);
     if (e.cached_only !== undefined) k.cachedOnly = Number(e.cached_only);
-    else if (e.in_use !== undefined && k.free !== null) k.cachedOnly = k.total - k.free - k.inUse;
+    else if (k.inUse !== null && k.free !== null) k.cachedOnly = Math.max(0, k.total - k.free - k.inUse);
     let total = 0, free = 0, inUse = 0, cachedOnly = 0, split = true;
     for (const v of this.kv.values()) {
       total += v.total; free += v.free === null ? v.total : v.free;
@@ -54,9 +54,10 @@
     this.kvSample(ts, e);
   };
   P.kvShortage = function (e, r) { if (r) r.shortage = { needed: e.blocks_needed, free: e.blocks_free, evictable: e.blocks_evictable }; }
-  P.kvReset = function (e, r, ts) {
+  P.kvReset = function (e, r, ts) {  // every request's blocks were dropped
     const k = this.kvOf(e);
     if (e.free !== undefined) k.free = Number(e.free);
+    if (k.inUse !== null) k.inUse = 0;
     this.kvSample(ts, e);
   };
   P.step = function (e, r, ts) {

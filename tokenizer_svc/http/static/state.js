@@ -9,6 +9,7 @@
   MR.EVENTS = {
     "scheduler.config": "schedConfig",      // scheduler
     "request.queued": "queued",
+    "request.resumed": "resumed",           // resubmitted by the front door after an actor died
     "admission.refused": "refused",         // the scheduler's record of a refusal (counted)
     "request.deferred": "deferred",
     "request.aged": "aged",
@@ -193,6 +194,11 @@
       if (e.running !== undefined) { r.lastRefusal.running = Number(e.running); this.sched.running = Number(e.running); }
       r.refusals++; this.counts.refusals++;
       if (r.state !== "waiting") this.setState(r, "waiting", ts);
+    }
+    resumed(e, r) {
+      if (!r) return;
+      r.front = true; r.resumed = e.reason || "resumed";
+      r.generated = Number(e.output_tokens) || 0;
     }
     deferred(e, r, ts) {
       if (!r) return;
