@@ -16,7 +16,14 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from actors.dashboard_export import SCRIPTS, export_html, render_html, request_window
-from tokenizer_svc.http.dashboard import COOKIE, STREAMS, cookie_token, dashboard_routes, serve
+from tokenizer_svc.http.dashboard import (
+    COOKIE,
+    MAX_STREAMS,
+    STREAMS,
+    cookie_token,
+    dashboard_routes,
+    serve,
+)
 from tokenizer_svc.http.dashboard_tail import LogTail
 
 
@@ -240,3 +247,10 @@ def test_cli_writes_the_export_for_a_run_and_for_a_request(run_dir, tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 1 and "no events for request nobody" in done.stderr
+
+
+def test_too_many_open_dashboards_are_answered_503(run_dir, monkeypatch):
+    monkeypatch.setitem(STREAMS, "open", MAX_STREAMS)
+    r = _client(run_dir, None).get("/dashboard/events")
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json()["error"]["code"] == "too_many_dashboards"

@@ -64,6 +64,24 @@ def cluster(tiny_model, tmp_path_factory):
         running_router(rr, run / "logs" / "router-rr.log"),
     ):
         yield rt, replicas, rr
+        # Ctrl-C in the terminal (SIGINT to the launcher's process group) stops every replica,
+        # each actor of theirs and the router, though they run in sessions of their own.
+        evs = read_events(run)
+        pids = {int(e["pid"]) for e in evs if e.get("event") == "actor.started"}
+        pids |= {
+            int(e["pid"]) for e in evs if str(e.get("event")).startswith("cluster.") and "pid" in e
+        }
+        os.killpg(rt.proc.pid, signal.SIGINT)
+        assert rt.proc.wait(timeout=60) == 0
+        assert not [p for p in pids if _alive(p)], "a process outlived minirt up --replicas"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _run(url: str, jobs: list[TextJob], model: Path):

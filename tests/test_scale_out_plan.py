@@ -156,7 +156,7 @@ def test_compose_scale_out_services_match_the_launchers_layout():
     envs = [s["environment"] for s in replicas.values()]
     assert len({e["MINIRT_RUN_DIR"] for e in envs}) == len({e["MINIRT_REPLICA"] for e in envs}) == 2
     for e in envs:  # ipc:// sockets in each replica's run dir, not the shared tcp ports
-        assert all(e[f"MINIRT_{n}_ENDPOINT"] == "" for n in ("CLIENT", "TOKENIZER", "EXECUTOR"))
+        assert all(e[f"MINIRT_{n}_ENDPOINT"] == "" for n in ("CLIENT", "TOKENIZER", "HTTP"))
     command = re.sub(r"\$\{MINIRT_API_KEY:\+[^}]*\}", "", router["command"][0])
     words = shlex.split(command)
     urls = [f"http://{e['MINIRT_HTTP_HOST']}:{e['MINIRT_HTTP_PORT']}" for e in envs]

@@ -7,6 +7,7 @@ answered without an error.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import h2.connection
@@ -142,6 +143,8 @@ def test_the_router_registers_the_worker_and_serves_through_it(worker):
     try:
         find_router()
     except RouterMissing as e:
+        if os.environ.get("CI") == "true":
+            raise
         pytest.skip(str(e))
     rt, url, _ = worker
     spec = RouterSpec([url], port=free_port(), metrics_port=free_port(), api_key=KEY)

@@ -33,6 +33,7 @@
   P.whyWaiting = function (r, pos, head, running) {
     const parts = [];
     if (r.preemptions) parts.push("preempted ×" + r.preemptions + ", back in front");
+    if (r.resumed) parts.push("resumed (" + r.resumed + "), back in front");
     if (r.deferredBehind) {
       parts.push("deferred behind " + r.deferredBehind.slice(0, 12) + " (shares " + r.deferTokens + " prefix tokens)");
       return { kind: "deferred", text: parts.join("; ") };
@@ -57,7 +58,10 @@
   };
   P.detail = function (e) {
     return Object.keys(e).filter((k) => !BASE.has(k))
-      .map((k) => k + "=" + (typeof e[k] === "string" ? e[k] : JSON.stringify(e[k]))).join(" ");
+      .map((k) => {  // long values (block hash lists) cut short: the full event is in the log
+        const s = typeof e[k] === "string" ? e[k] : JSON.stringify(e[k]);
+        return k + "=" + (s.length > 160 ? s.slice(0, 157) + "…" : s);
+      }).join(" ");
   };
   P.bufferSizes = function () {
     let perRequestMax = 0;
