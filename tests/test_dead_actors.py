@@ -21,7 +21,9 @@ ACTORS = ["tokenizer", "scheduler", "kv_manager", "executor"]
 
 @pytest.mark.deadline(180)
 @pytest.mark.parametrize("victim", ACTORS)
-async def test_sigkill_actor_inflight_requests_resume_then_it_recovers(victim, tiny_model, tmp_path):
+async def test_sigkill_actor_inflight_requests_resume_then_it_recovers(
+    victim, tiny_model, tmp_path
+):
     # A pool that fits one long (front door) or two short requests at a time: the others wait
     # in the queue, in flight.
     front_door = victim == "tokenizer"

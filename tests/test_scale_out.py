@@ -143,6 +143,13 @@ def _replica_pid(run_dir: Path, name: str) -> int:
     return int([e for e in evs if e.get("child") == name][-1]["pid"])
 
 
+def _wait_all_healthy(ca: RouterSpec, rr: RouterSpec, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(len(h) == 2 and all(h.values()) for h in (_health(ca), _health(rr))):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
 def _health(spec: RouterSpec) -> dict[str, bool]:
     """``{replica URL: healthy}`` as the router sees it."""
     return router_workers(spec)
@@ -179,7 +186,7 @@ def test_killed_replica_loses_nothing_silently_and_rejoins(cluster, tiny_model):
         return js, records
 
     for kill in ("executor", "instance"):
-        assert all(_health(ca).values()) and len(_health(ca)) == 2
+        _wait_all_healthy(ca, rr, 60, f"both replicas healthy before the {kill} kill")
         if kill == "executor":
             os.kill(_pid(rt.run_dir / "replica-1", "executor"), signal.SIGKILL)
         else:
@@ -200,10 +207,7 @@ def test_killed_replica_loses_nothing_silently_and_rejoins(cluster, tiny_model):
             "replica-0"
         }
         # The replica comes back by itself (supervisor, or the cluster for the whole instance).
-        deadline = time.monotonic() + 90
-        while not (all(_health(ca).values()) and all(_health(rr).values())):
-            assert time.monotonic() < deadline, f"replica-1 did not rejoin after the {kill} kill"
-            time.sleep(0.5)
+        _wait_all_healthy(ca, rr, 90, f"replica-1 to rejoin after the {kill} kill")
         js, records = send(rr.url, 4)  # round_robin: both replicas get requests again
         assert all(r.status == 200 and not r.error for r in records)
         assert set(served_by(replica_dirs(rt.run_dir), [j.rid for j in js]).values()) == {

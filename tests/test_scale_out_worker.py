@@ -60,46 +60,48 @@ def test_info_probes_answer_json_or_a_clean_404(worker):
 
 def _grpc_probe(port: int) -> str | None:
     """What sglang-router sends on a worker's port: HTTP/2 prior knowledge, a gRPC health check
-    with a request body (a DATA frame). The response's status, or None if the server closed."""
+    with a request body (a DATA frame). The response's status, or None if the server closed the
+    connection."""
     conn = h2.connection.H2Connection()
     conn.initiate_connection()
+    path = "/sglang.grpc.scheduler.SglangScheduler/HealthCheck"
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":authority", f"127.0.0.1:{port}"),
+        (":path", path),
+        ("te", "trailers"),
+        ("content-type", "application/grpc"),
+    ]
+    conn.send_headers(1, headers)
+    conn.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)  # an empty gRPC message
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(conn.data_to_send())
-        path = "/sglang.grpc.scheduler.SglangScheduler/HealthCheck"
-        headers = [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":authority", f"127.0.0.1:{port}"),
-            (":path", path),
-            ("te", "trailers"),
-            ("content-type", "application/grpc"),
-        ]
-        conn.send_headers(1, headers)
-        conn.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)  # an empty gRPC message
-        s.sendall(conn.data_to_send())
-        while True:
-            data = s.recv(65536)
-            if not data:
-                return None
-            for ev in conn.receive_data(data):
-                if isinstance(ev, h2.events.ResponseReceived):
-                    assert b"grpc-status" not in dict(ev.headers)
-                    return dict(ev.headers)[b":status"].decode()
+        try:
             s.sendall(conn.data_to_send())
+            while data := s.recv(65536):
+                for ev in conn.receive_data(data):
+                    if isinstance(ev, h2.events.ResponseReceived):
+                        assert b"grpc-status" not in dict(ev.headers)
+                        return dict(ev.headers)[b":status"].decode()
+                s.sendall(conn.data_to_send())
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    return None
 
 
 def test_the_routers_grpc_probe_over_http2_is_refused_and_http1_still_serves(worker):
-    """Anything but a gRPC 200 makes the router fall back to HTTP; the probe must not hurt the
-    server (hypercorn's h2 protocol used to stop the whole server on this probe's DATA frame)."""
+    """A failed gRPC probe makes the router talk HTTP/1.1; the probe must not hurt the server
+    (hypercorn's HTTP/2 code stopped the whole server on this probe, now and then)."""
     rt, url, port = worker
     http_starts = len([e for e in rt.events("actor.started") if e.get("actor") == "http"])
-    for _ in range(3):
-        assert _grpc_probe(port) == "505"
+    for _ in range(20):
+        assert _grpc_probe(port) is None  # the connection is closed, unanswered
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
     with _client() as c:
         r = c.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
     assert len([e for e in rt.events("actor.started") if e.get("actor") == "http"]) == http_starts
+    assert not [e for e in rt.events("http.request") if "grpc" in e.get("path", "")]
 
 
 def test_the_fields_the_router_adds_are_accepted(worker):

@@ -58,6 +58,9 @@ class HttpActor(Actor):
         from hypercorn.config import Config
         from hypercorn.trio import serve
 
+        from tokenizer_svc.http import h1only
+
+        h1only.install()  # no HTTP/2: routers' gRPC probes must not reach its code
         server = Server(
             model=self.model,
             upstream=self.upstream,

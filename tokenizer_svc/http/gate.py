@@ -27,13 +27,6 @@ def _valid_request_id(rid: str) -> bool:
     return 0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable() and " " not in rid
 
 
-async def _drain(receive: Receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request" or not msg.get("more_body", False):
-            return
-
-
 class Gate:
     def __init__(
         self,
@@ -86,15 +79,7 @@ class Gate:
 
         self.metrics.in_flight.inc()
         try:
-            if scope.get("http_version") == "2":
-                # HTTP/2 (prior knowledge): sglang-router probes a worker's port with gRPC health
-                # checks (docs/scale-out.md). Not served here. Read the whole request first:
-                # a DATA frame for a stream already answered raises out of hypercorn's h2
-                # protocol and stops the whole server.
-                await _drain(receive)
-                err = ApiError(505, "HTTP/2 is not served; use HTTP/1.1", code="http2_not_served")
-                await error_response(err)(scope, receive, send_with_id)
-            elif not self._open(path) and not self._authorized(headers):
+            if not self._open(path) and not self._authorized(headers):
                 err = ApiError(401, "Invalid or missing API key", code="invalid_api_key")
                 await error_response(err)(scope, receive, send_with_id)
             else:
