@@ -46,7 +46,7 @@ _BENCH_MODES = {
     "scheduler": "actors.bench.scheduler",  # one scheduling decision vs queue size
     "serve": "actors.bench.serve",  # a workload through a running runtime, with a report
     "scale-out": "actors.bench.scale_out",  # W2 through the router to replicas vs one instance
-    "replay": "actors.replay.acceptance",  # replay's acceptance report (records real runs)
+    "replay": "actors.bench.replay",  # replay's acceptance report (records real runs)
     "scaling": "actors.bench.scaling",  # decode speed vs batch size and context, minirt and vLLM
     "quality": "actors.bench.quality",  # bf16 vs transformers fp32 under teacher forcing
     "structured": "actors.bench.structured",  # constrained vs free tok/s at batch 64
@@ -254,7 +254,7 @@ def _events(args: argparse.Namespace) -> int:
     from actors.eventlog import show_events
 
     if args.html:
-        from actors.dashboard_export import export_html
+        from tokenizer_svc.http.export import export_html
 
         return export_html(args.run_dir, args.html, request_id=args.request)
     return show_events(
@@ -273,7 +273,7 @@ def _trace(args: argparse.Namespace) -> int:
     from actors.eventlog import trace
 
     if args.html:
-        from actors.dashboard_export import export_html
+        from tokenizer_svc.http.export import export_html
 
         return export_html(args.run_dir, args.html, request_id=args.request_id)
     return trace(args.run_dir, args.request_id)

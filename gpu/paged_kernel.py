@@ -112,7 +112,20 @@ void NAME(const void *q, const void *kc, const void *vc, const int64_t *tables, 
 DEFINE(paged_decode_f32, ld_f32, st_f32)
 DEFINE(paged_decode_bf16, ld_bf16, st_bf16)
 """
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# Not -ffast-math: a shared object linked with it runs crtfastmath's constructor on load, which
+# turns on flush-to-zero / denormals-are-zero for the whole process (every later float op in
+# torch and Python changes). These flags give the vectorized reductions without that.
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
 _lib: ctypes.CDLL | None = None
 _tried = False
 

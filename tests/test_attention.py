@@ -125,3 +125,24 @@ def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
     bf = Linear(w.bfloat16(), None, pack=True, keep_plain=True)
     if bf.packed is not None:  # bf16: the packed kernel is faster at every row count
         assert bf.weight is None and bf.gemv_rows == 0
+
+
+def test_loading_the_paged_kernel_keeps_subnormal_floats() -> None:
+    """A kernel built with -ffast-math would switch the whole process to flush-to-zero on load,
+    silently changing every later float op (torch's and Python's): subnormals must survive."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from gpu import paged_kernel\n"
+        "lib = paged_kernel.kernel()\n"
+        "tiny = sys.float_info.min\n"
+        "t = torch.tensor([1e-39], dtype=torch.float32) * 1.0\n"
+        "print(lib is not None, tiny / 2 > 0, float(t[0]) > 0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    ).stdout.split()
+    if out[0] != "True":
+        pytest.skip("no C compiler: the paged kernel is not built here")
+    assert out[1:] == ["True", "True"], "loading the kernel turned on flush-to-zero"

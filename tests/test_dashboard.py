@@ -15,7 +15,6 @@ import trio
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from actors.dashboard_export import SCRIPTS, export_html, render_html, request_window
 from tokenizer_svc.http.dashboard import (
     COOKIE,
     MAX_STREAMS,
@@ -25,6 +24,7 @@ from tokenizer_svc.http.dashboard import (
     serve,
 )
 from tokenizer_svc.http.dashboard_tail import LogTail
+from tokenizer_svc.http.export import SCRIPTS, export_html, render_html, request_window
 
 
 def _line(**e) -> str:

@@ -22,9 +22,9 @@ import pytest
 import trio
 
 from actors.client import open_client
-from actors.dashboard_export import export_html
 from tests.http_server import start_http_runtime
 from tests.runtime import kv_stats
+from tokenizer_svc.http.export import export_html
 
 INSTALL = "apt-get install -y chromium chromium-driver && .venv/bin/pip install selenium"
 CAPS = {
@@ -330,8 +330,8 @@ def _replica_run(run_dir: Path) -> None:
 
 
 async def test_export_of_a_replicated_run_has_a_replica_column(tmp_path, browser):
-    from actors.dashboard_export import render_html
     from tokenizer_svc.http.dashboard_tail import LogTail
+    from tokenizer_svc.http.export import render_html
 
     _replica_run(tmp_path)
     # the export embeds what the live stream would send: every replica's lines, tagged by path

@@ -11,10 +11,10 @@ import random
 import pytest
 import trio
 
-from actors.bench import report as bench_report
 from actors.bench.driver import drive
 from actors.bench.workloads import Job
 from actors.eventlog import read_events, trace_lines
+from actors.eventlog import summary as bench_report
 from actors.replay import sim, stepmodel, workload
 from actors.replay.cli import main
 from messages.tokenizer import client_request_id

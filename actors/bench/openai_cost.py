@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import trio
 
-from actors.bench import report
 from actors.bench.driver import Record, drive
 from actors.bench.workloads import Job
+from actors.eventlog import summary as report
 
 
 def cpu_seconds(pid: int) -> float:

@@ -9,7 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from actors.bench.report import table
+from actors.eventlog.summary import table
 
 COLS = [
     "server",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from actors.bench import report
+from actors.eventlog import summary as report
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXTS = [128, 256, 512, 1024, 2048, 4096]

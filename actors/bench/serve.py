@@ -22,10 +22,10 @@ from typing import Any
 
 import trio
 
-from actors.bench import report
 from actors.bench.driver import drive
 from actors.bench.workloads import WORKLOADS, Job, poisson
 from actors.eventlog import read_events
+from actors.eventlog import summary as report
 from actors.replay.runlog import keep_run, slug
 
 SUMMARY_COLS = [

@@ -100,7 +100,7 @@ def step_model(a: argparse.Namespace, rec: workload.Recorded) -> stepmodel.StepM
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> int:
-    from actors.bench import report as bench_report
+    from actors.eventlog import summary as run_summary
     from actors.replay import report, sim, stepmodel, workload
 
     rec = workload.load(a.run_dir, a.run)
@@ -141,7 +141,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
         knobs,
         (sweep[0], points) if sweep is not None else None,
     )
-    print(bench_report.table(report.rows(rec, {"replay": res}), report.COLS))
+    print(run_summary.table(report.rows(rec, {"replay": res}), report.COLS))
     dec = report.compare_decisions(rec, res, a.first)
     same = "identical" if dec["identical"] else f"differ: {dec.get('first_difference')}"
     print(f"admission decisions (first {a.first} requests): {same}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from actors.bench import report as bench_report
+from actors.eventlog import summary as run_summary
 from actors.replay.loop import write_events
 from actors.replay.sim import Result
 from actors.replay.stepmodel import StepModel
@@ -39,7 +39,7 @@ def rows(rec: Recorded, results: dict[str, Result]) -> list[dict[str, Any]]:
     out = [
         {
             "run": "recorded",
-            **bench_report.summarize(rec.records, rec.wall_s),
+            **run_summary.summarize(rec.records, rec.wall_s),
             "kv_peak_pct": _peak(rec.kv_timeline),
         }
     ]
@@ -49,7 +49,7 @@ def rows(rec: Recorded, results: dict[str, Result]) -> list[dict[str, Any]]:
     ]
     for tag in tags_of(rec.records):
         out.append(
-            {"run": f"recorded ({tag})", **bench_report.summarize(rec.records, rec.wall_s, tag)}
+            {"run": f"recorded ({tag})", **run_summary.summarize(rec.records, rec.wall_s, tag)}
         )
         out += [{"run": f"{name} ({tag})", **r.summary(tag)} for name, r in results.items()]
     return out
@@ -63,7 +63,7 @@ def rel(predicted: float, measured: float) -> float:
 
 
 def fidelity(rec: Recorded, res: Result, tag: str | None = None) -> dict[str, float]:
-    a = bench_report.summarize(rec.records, rec.wall_s, tag)
+    a = run_summary.summarize(rec.records, rec.wall_s, tag)
     b = res.summary(tag)
     keys = ("ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "queue_p99_ms", "tpot_p50_ms")
     return {k: rel(b[k], a[k]) for k in keys}
@@ -96,7 +96,7 @@ def plots(out: Path, rec: Recorded, results: dict[str, Result]) -> list[str]:
     """TTFT CDF, throughput and KV use over time: the recorded run and each replay."""
     runs = {"recorded": _run_entry(rec.records, rec.kv_timeline)}
     runs.update({n: _run_entry(r.records, r.kv_timeline) for n, r in results.items()})
-    return bench_report.plots(out, runs, None)
+    return run_summary.plots(out, runs, None)
 
 
 def sweep_plot(out: Path, knob: str, points: list[dict[str, Any]]) -> str:
@@ -152,7 +152,7 @@ def write(
         f"Replayed with: {knobs or 'the recorded configuration'}.\n",
         f"Step-time model ({model.source or 'fitted from this run'}):\n\n```\n{model.summary()}\n```\n",
         "## Recorded vs replayed\n",
-        bench_report.table(table_rows, COLS),
+        run_summary.table(table_rows, COLS),
     ]
     data: dict[str, Any] = {
         "source": rec.source,
@@ -190,7 +190,7 @@ def write(
     pngs = plots(out, rec, results)
     if sweep is not None:
         knob, points = sweep
-        sections += [f"\n## Sweep of {knob}\n", bench_report.table(points, SWEEP_COLS)]
+        sections += [f"\n## Sweep of {knob}\n", run_summary.table(points, SWEEP_COLS)]
         pngs.append(sweep_plot(out, knob, points))
         data["sweep"] = {"knob": knob, "points": points}
     some = next(iter(results.values()))
@@ -200,4 +200,4 @@ def write(
         sections.append(
             f"\nWhy a replayed request waited: `minirt trace {rid} --run-dir {where}`.\n"
         )
-    return bench_report.write(out, command, "minirt replay", sections, data, pngs)
+    return run_summary.write(out, command, "minirt replay", sections, data, pngs)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from actors.bench import report as bench_report
+from actors.eventlog import summary as run_summary
 from actors.replay import blockhash
 from actors.replay.cores import SimKV, SimScheduler
 from actors.replay.execsim import Script, SimExecutor
@@ -82,7 +82,7 @@ class Result:
     to_executor_s: float = 0.0  # ... and to the executor
 
     def summary(self, tag: str | None = None) -> dict[str, Any]:
-        return bench_report.summarize(self.records, self.wall_s, tag)
+        return run_summary.summarize(self.records, self.wall_s, tag)
 
     def decisions(self) -> list[tuple[str, str, int]]:
         return decisions(self.events)
@@ -173,7 +173,7 @@ def replay(
         wall_s=wall,
         steps=ex.steps,
         sim_s=time.perf_counter() - started,
-        kv_timeline=bench_report.kv_timeline(events, rec.t0, rec.t0 + wall + 1.0),
+        kv_timeline=run_summary.kv_timeline(events, rec.t0, rec.t0 + wall + 1.0),
         hop_s=loop.hop_s,
         to_executor_s=loop.latency["executor"],
     )

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.bench import report as bench_report
 from actors.eventlog import read_events
+from actors.eventlog import summary as run_summary
 from actors.replay.runlog import (
     admission_hop,
     admit_to_run,
@@ -208,7 +208,7 @@ def from_events(
         decisions=decisions(events),
         records=records,
         wall_s=wall,
-        kv_timeline=bench_report.kv_timeline(events, t0, t0 + wall + 1.0),
+        kv_timeline=run_summary.kv_timeline(events, t0, t0 + wall + 1.0),
         hop_s=admission_hop(events, hop(by)),
         out_hop_s=out_hop(by),
         client_s=_client_overhead(by, client_records),

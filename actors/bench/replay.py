@@ -28,9 +28,9 @@ from typing import Any
 
 import trio
 
-from actors.bench import report as bench_report
 from actors.bench.driver import drive
 from actors.bench.workloads import Job, mix, poisson
+from actors.eventlog import summary as run_summary
 from actors.replay import report, runlog, sim, stepmodel, synth, workload
 
 LONG_PREFILL: dict[str, Any] = {
@@ -103,7 +103,7 @@ def fidelity_rows(out: Path, name: str, first: int) -> tuple[list[dict[str, Any]
     report.write(
         out / "replays" / name, f"minirt replay {out} --run {name}", rec, model, {"replay": res}, {}
     )
-    a, b = bench_report.summarize(rec.records, rec.wall_s), res.summary()
+    a, b = run_summary.summarize(rec.records, rec.wall_s), res.summary()
     dec = report.compare_decisions(rec, res, first)
     rows = []
     for key in ("ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s"):
@@ -136,7 +136,7 @@ def predict_rows(out: Path, base: str, runs: dict[str, dict[str, Any]]) -> list[
             out / "replays" / f"predict-{variant}", cmd, rec, model, {"replay": res}, knobs
         )
         real = runs[name]
-        measured = bench_report.summarize(real["records"], real["wall_s"], "short")
+        measured = run_summary.summarize(real["records"], real["wall_s"], "short")
         predicted = res.summary("short")
         err = report.rel(predicted["ttft_p99_ms"], measured["ttft_p99_ms"])
         rows.append(
@@ -150,7 +150,7 @@ def predict_rows(out: Path, base: str, runs: dict[str, dict[str, Any]]) -> list[
                 "predicted_short_ttft_p50_ms": predicted["ttft_p50_ms"],
             }
         )
-    base_rec = bench_report.summarize(rec.records, rec.wall_s, "short")
+    base_rec = run_summary.summarize(rec.records, rec.wall_s, "short")
     rows.insert(
         0,
         {
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
         jobs = [Job(**vars(j)) for j in mix_jobs]
         runs[f"mix-{variant}"] = record(model, f"{a.flags} {flags}", jobs, out, f"mix-{variant}")
     for r in runs.values():
-        r["summary"] = {"run": r["name"], **bench_report.summarize(r["records"], r["wall_s"])}
+        r["summary"] = {"run": r["name"], **run_summary.summarize(r["records"], r["wall_s"])}
     data: dict[str, Any] = {"args": vars(a), "runs": runs}
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
     fid, checks = [], []
@@ -255,7 +255,7 @@ def main(argv: list[str]) -> int:
     sections = [
         "How the replay works and what this report checks: [METHOD.md](METHOD.md).\n",
         "## Fidelity: replays under the recorded configuration (target: within 15%)\n",
-        bench_report.table(fid, ["run", "metric", "measured", "replay", "error"]),
+        run_summary.table(fid, ["run", "metric", "measured", "replay", "error"]),
     ]
     for c in checks:
         d = c["decisions"]
@@ -268,16 +268,16 @@ def main(argv: list[str]) -> int:
     sections += [
         "\n## Prediction: the fcfs mix run replayed under other settings, vs real runs of them "
         "(short requests, target: p99 TTFT within 20%)\n",
-        bench_report.table(pred, PRED_COLS),
+        run_summary.table(pred, PRED_COLS),
         "\n## Speed (target: a 10,000-request log in under 10 s)\n",
-        bench_report.table([spd], SPEED_COLS),
+        run_summary.table([spd], SPEED_COLS),
         "\nEach replay's own report (recorded vs replayed tables, TTFT CDF, throughput and KV use "
         "over time side by side, the replayed event log) is under `replays/`; the recorded runs' "
         "events under `runs/` (`minirt replay " + str(out) + " --run mix-fcfs --policy sjf`).\n",
     ]
     pngs = [predicted_plot(out, pred)]
     command = "minirt bench replay " + " ".join(argv)
-    path = bench_report.write(out, command, "minirt replay: acceptance", sections, data, pngs)
+    path = run_summary.write(out, command, "minirt replay: acceptance", sections, data, pngs)
     print("".join(sections))
     print(f"report: {path}")
     return 0
