@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from actors.bench.driver import Record
-from actors.replay import blockhash, runlog, sim, stepmodel, synth, workload
+from actors.kv import blockhash
+from actors.replay import runlog, sim, stepmodel, synth, workload
 from actors.replay.cli import main
 from actors.replay.loop import write_events
 from actors.replay.runlog import OLD_NAMES

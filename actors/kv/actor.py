@@ -34,19 +34,9 @@ class KVManagerActor(Actor):
         self._flush()
 
     def handle(self, ident: bytes, msg: Any) -> None:
-        core = self.core
-        if isinstance(msg, km.Admit):
-            core.admit(msg)
-        elif isinstance(msg, km.Grow):
-            core.grow(msg)
-        elif isinstance(msg, km.CachePrefix):
-            core.cache_prefix(msg)
-        elif isinstance(msg, (km.Finish, km.Release)):
-            core.leave(msg)
-        elif isinstance(msg, km.MatchQuery):
-            self.reply(ident, core.match(msg))
-        elif isinstance(msg, km.StatsQuery):
-            self.reply(ident, core.stats(msg.check))
+        answer = self.core.handle(msg)
+        if answer is not None:
+            self.reply(ident, answer)
         self._flush()
 
     def _flush(self) -> None:

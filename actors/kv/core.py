@@ -208,6 +208,23 @@ class KVCore:
                 break  # oldest first: the rest wait for the next free
 
     # ----------------------------------------------------------------- queries
+    def handle(self, msg: km.KVInbound) -> km.MatchReply | km.Stats | None:
+        """Dispatch one inbound message; returns the answer to a query (``kv_match``,
+        ``kv_stats``) for the sender's connection, else None (what to send is in the outbox)."""
+        if isinstance(msg, km.Admit):
+            self.admit(msg)
+        elif isinstance(msg, km.Grow):
+            self.grow(msg)
+        elif isinstance(msg, km.CachePrefix):
+            self.cache_prefix(msg)
+        elif isinstance(msg, (km.Finish, km.Release)):
+            self.leave(msg)
+        elif isinstance(msg, km.MatchQuery):
+            return self.match(msg)
+        elif isinstance(msg, km.StatsQuery):
+            return self.stats(msg.check)
+        return None
+
     def match(self, msg: km.MatchQuery) -> km.MatchReply:
         return km.MatchReply(cached_tokens=[self.mgr.peek_match(t) for t in msg.token_lists])
 

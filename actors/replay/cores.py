@@ -11,16 +11,6 @@ from actors.kv.core import KVCore
 from actors.replay.loop import Loop
 from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.core import SchedulerCore
-from messages import kv as km
-from messages.scheduler import (
-    Abort,
-    AdmitResult,
-    BlocksFreed,
-    GrowthShortage,
-    PrefillDone,
-    RequestDone,
-    Submit,
-)
 
 
 class SimScheduler:
@@ -39,22 +29,7 @@ class SimScheduler:
 
     def handle(self, msg: Any) -> None:
         core = self.core
-        if isinstance(msg, Submit):
-            core.submit(msg)
-        elif isinstance(msg, Abort):
-            core.abort(msg.request_id, msg.reason)
-        elif isinstance(msg, AdmitResult):
-            core.admit_result(msg)
-        elif isinstance(msg, RequestDone):
-            core.request_done(msg)
-        elif isinstance(msg, GrowthShortage):
-            core.shortage(msg)
-        elif isinstance(msg, BlocksFreed):
-            core.blocks_freed(msg)
-        elif isinstance(msg, PrefillDone):
-            core.prefill_done(msg)
-        elif isinstance(msg, km.MatchReply):
-            core.match_reply(msg)
+        core.handle(msg)
         for peer, out in core.take_outbox():
             self.loop.send(peer, out)
 
@@ -71,15 +46,8 @@ class SimKV:
 
     def handle(self, msg: Any) -> None:
         core = self.core
-        if isinstance(msg, km.Admit):
-            core.admit(msg)
-        elif isinstance(msg, km.Grow):
-            core.grow(msg)
-        elif isinstance(msg, km.CachePrefix):
-            core.cache_prefix(msg)
-        elif isinstance(msg, (km.Finish, km.Release)):
-            core.leave(msg)
-        elif isinstance(msg, km.MatchQuery):  # answered on the scheduler's own connection
-            self.loop.send("scheduler", core.match(msg))
+        answer = core.handle(msg)
+        if answer is not None:  # a kv_match: answered on the scheduler's own connection
+            self.loop.send("scheduler", answer)
         for peer, out in core.take_outbox():
             self.loop.send(peer, out)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from actors.eventlog import summary as run_summary
-from actors.replay import blockhash
+from actors.kv import blockhash
 from actors.replay.cores import SimKV, SimScheduler
 from actors.replay.execsim import Script, SimExecutor
 from actors.replay.frontsim import SimFrontDoor

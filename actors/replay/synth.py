@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from actors.replay.blockhash import chain_hashes
+from actors.kv.blockhash import chain_hashes
 
 # the law the synthetic steps follow (seconds)
 TRUE_STEP = {

@@ -15,15 +15,11 @@ from actors.scheduler.metrics import Metrics, serve_metrics
 from messages.common import ErrorCode
 from messages.kv import MatchReply
 from messages.scheduler import (
-    Abort,
     AdmitResult,
     BlocksFreed,
     Completed,
-    GrowthShortage,
     MetricsQuery,
     MetricsText,
-    PrefillDone,
-    RequestDone,
     SchedulerInbound,
     Submit,
 )
@@ -91,21 +87,9 @@ class SchedulerActor(Actor):
                 )
                 return
             core.submit(msg)
-        elif isinstance(msg, Abort):
-            core.abort(msg.request_id, msg.reason)
-        elif isinstance(msg, AdmitResult):
-            core.admit_result(msg)
-            if msg.ok:
+        elif core.handle(msg):
+            if isinstance(msg, BlocksFreed) or (isinstance(msg, AdmitResult) and msg.ok):
                 self.metrics.kv(msg.in_use, msg.num_blocks)
-        elif isinstance(msg, RequestDone):
-            core.request_done(msg)
-        elif isinstance(msg, GrowthShortage):
-            core.shortage(msg)
-        elif isinstance(msg, BlocksFreed):
-            core.blocks_freed(msg)
-            self.metrics.kv(msg.in_use, msg.num_blocks)
-        elif isinstance(msg, PrefillDone):
-            core.prefill_done(msg)
         elif isinstance(msg, Completed):
             self.metrics.completed(msg)
         elif isinstance(msg, MetricsQuery):

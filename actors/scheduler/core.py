@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors.replay.blockhash import chain_hashes
+from actors.kv.blockhash import chain_hashes
 from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.admission import AdmissionMixin
 from actors.scheduler.base import AdmissionState
@@ -47,7 +47,15 @@ from messages import executor as xm
 from messages import kv as km
 from messages import tokenizer as tm
 from messages.common import ErrorCode
-from messages.scheduler import PrefillDone, RequestDone, Submit
+from messages.scheduler import (
+    Abort,
+    AdmitResult,
+    BlocksFreed,
+    GrowthShortage,
+    PrefillDone,
+    RequestDone,
+    Submit,
+)
 
 __all__ = ["AdmissionState", "SchedulerCore"]
 
@@ -139,6 +147,29 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
             req.abort_reason = reason
 
     # --------------------------------------------------------------- admission
+    def handle(self, msg: Any) -> bool:
+        """Dispatch one message of the scheduling protocol (the scheduler's inbound messages and
+        the KV manager's ``kv_match_reply``); False if it is not one of them."""
+        if isinstance(msg, Submit):
+            self.submit(msg)
+        elif isinstance(msg, Abort):
+            self.abort(msg.request_id, msg.reason)
+        elif isinstance(msg, AdmitResult):
+            self.admit_result(msg)
+        elif isinstance(msg, RequestDone):
+            self.request_done(msg)
+        elif isinstance(msg, GrowthShortage):
+            self.shortage(msg)
+        elif isinstance(msg, BlocksFreed):
+            self.blocks_freed(msg)
+        elif isinstance(msg, PrefillDone):
+            self.prefill_done(msg)
+        elif isinstance(msg, km.MatchReply):
+            self.match_reply(msg)
+        else:
+            return False
+        return True
+
     def schedule(self) -> None:
         """Offer the next request (by policy) to the KV manager if nothing blocks admission;
         while it is blocked, a more important waiting request may preempt (priority)."""
