@@ -67,6 +67,47 @@ def test_fit_recovers_the_step_law_and_round_trips(model: stepmodel.StepModel, t
         stepmodel.fit([])
 
 
+def _steps(law: dict, shapes: list[tuple[int, int, int, int]]) -> list[dict]:
+    """Step events whose time follows ``law`` exactly: (prefill tokens, decodes, chunks, ctx)."""
+    out = []
+    for pre, dec, chunks, ctx in shapes:
+        shape = {"prefill_tokens": pre, "decode_tokens": dec, "decode_ctx": ctx, "prefill_ctx": 0}
+        t = law["intercept"] + law["prefill_chunks"] * chunks
+        t += sum(law[k] * v for k, v in shape.items())
+        out.append({"event": "step", "requests": dec + chunks, "step_s": t, **shape})
+    return out
+
+
+def test_a_fit_that_cannot_see_the_decode_cost_says_so_and_pooling_recovers_it(tmp_path) -> None:
+    law = synth.TRUE_STEP
+    # every step decodes 64 requests, at one context: per-decode and per-step costs are one term
+    full = _steps(law, [(p, 64, 1 if p else 0, 64 * 200) for p in (0, 256, 512, 1024) * 5])
+    alone = stepmodel.fit(full)
+    assert alone.coef["decode_tokens"] == 0.0
+    assert any("no per-decode cost" in n and "--fit-also" in n for n in alone.notes)
+    truth = law["intercept"] + 4 * law["decode_tokens"] + 800 * law["decode_ctx"]
+    assert abs(alone.predict(0, 4, 0, 800, 0) / truth - 1) > 0.3  # a batch of 4 decodes: wrong
+    varied = _steps(law, [(0, d, 0, d * c) for d in range(1, 9) for c in (50, 300)])
+    pooled = stepmodel.fit_runs([full, varied])
+    assert pooled.n == len(full) + len(varied) and not any("no per-decode" in n for n in pooled.notes)
+    assert pooled.coef["decode_tokens"] == pytest.approx(law["decode_tokens"], rel=0.05)
+    assert pooled.predict(0, 4, 0, 800, 0) == pytest.approx(truth, rel=0.05)
+
+
+def test_cli_fit_also_pools_another_run(tmp_path, capsys) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_events(synth.synthetic_log(n=20, seed=1), a)
+    write_events(synth.synthetic_log(n=30, seed=2), b)
+    dest = tmp_path / "pooled.json"
+    assert main([str(a), "--fit", "--fit-also", str(b), "--out", str(dest)]) == 0
+    pooled = stepmodel.StepModel.load(dest)
+    own = stepmodel.fit(workload.load(a).steps)
+    assert pooled.n == own.n + stepmodel.fit(workload.load(b).steps).n
+    assert str(b) in pooled.source
+    assert main([str(a), "--fit-also", str(b)]) == 2
+    assert "use it with --fit" in capsys.readouterr().err
+
+
 def test_synthetic_log_replays_every_request_deterministically(synthetic, model) -> None:
     first = sim.replay(synthetic, model)
     again = sim.replay(synthetic, model)

@@ -3,7 +3,8 @@ the model. Reads a run directory (``RUN_DIR/events``) or a ``minirt bench serve`
 (``--run`` picks the variant), replays its workload through the real scheduler core and KV
 manager with a simulated executor on a virtual clock, and writes a report directory with the
 replayed event log. ``--fit`` fits the step-time model and stores it with the run;
-``--step-model`` replays with another run's fit; ``--sweep KNOB=V1,V2,...`` replays once per
+``--fit-also RUN`` pools another run's steps into that fit (a run of varied batches, so the
+per-decode cost is identified); ``--step-model`` replays with another run's fit; ``--sweep KNOB=V1,V2,...`` replays once per
 value and plots p99 TTFT and throughput against it.
 """
 
@@ -39,8 +40,18 @@ def build_args(p: argparse.ArgumentParser) -> None:
     for flag in KNOB_FLAGS:
         p.add_argument(f"--{flag}", help=f"replay with this {flag} instead of the recorded one")
     p.add_argument("--prefill-first", action="store_true", help="replay with prefill first")
-    p.add_argument("--out", help="report directory (default bench-out/replay-TIME)")
+    p.add_argument(
+        "--out",
+        help="report directory (default bench-out/replay-TIME); with --fit, where the model goes",
+    )
     p.add_argument("--fit", action="store_true", help="fit the step model, store it, and stop")
+    p.add_argument(
+        "--fit-also",
+        action="append",
+        default=[],
+        metavar="RUN",
+        help="with --fit: pool this run's steps too (a run of the same report, or a run dir)",
+    )
     p.add_argument("--step-model", help="a stepmodel.json (or a run dir holding one) to use")
     p.add_argument(
         "--sweep",
@@ -88,6 +99,16 @@ def model_dir(a: argparse.Namespace) -> Path:
     return p
 
 
+def also_run(a: argparse.Namespace, name: str) -> workload.Recorded:
+    """A run to pool into the fit: a run directory, or a run of the same bench report."""
+    from actors.replay import workload
+
+    p = Path(name)
+    if (p / "events").is_dir() or (p / "report.json").exists():
+        return workload.load(p)
+    return workload.load(a.run_dir, name)
+
+
 def step_model(a: argparse.Namespace, rec: workload.Recorded) -> stepmodel.StepModel:
     from actors.replay import stepmodel
 
@@ -104,12 +125,18 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     from actors.replay import report, sim, stepmodel, workload
 
     rec = workload.load(a.run_dir, a.run)
+    if a.fit_also and not a.fit:
+        raise ValueError("--fit-also pools runs into a fit: use it with --fit")
     if a.fit:
-        model = stepmodel.fit(rec.steps, source=f"fitted from {rec.source}")
+        others = [also_run(a, r) for r in a.fit_also]
+        model = stepmodel.fit_runs(
+            [rec.steps] + [o.steps for o in others],
+            source="fitted from " + " + ".join([rec.source] + [o.source for o in others]),
+        )
         print(model.summary())
         for note in model.notes:
             print(f"note: {note}")
-        print(f"step model: {model.save(model_dir(a))}")
+        print(f"step model: {model.save(Path(a.out) if a.out else model_dir(a))}")
         return 0
     knobs = knobs_from(a)
     sweep = parse_sweep(a.sweep) if a.sweep else None

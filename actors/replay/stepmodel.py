@@ -149,6 +149,11 @@ def _robust(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sol, rel / scale
 
 
+def fit_runs(runs: list[list[dict[str, Any]]], source: str = "") -> StepModel:
+    """One model fitted on the pooled steps of several runs of one model on one machine."""
+    return fit([e for steps in runs for e in steps], source)
+
+
 def fit(steps: list[dict[str, Any]], source: str = "") -> StepModel:
     """Fit the model to ``step`` events (each needs ``step_s``; ``control_s`` is added)."""
     rows = [e for e in steps if e.get("event") in (None, "step", "executor.step") and "step_s" in e]
@@ -162,6 +167,12 @@ def fit(steps: list[dict[str, Any]], source: str = "") -> StepModel:
             notes.append(f"the log's step events have no {name}: fitted without it")
     a = np.column_stack([np.ones(len(y)), x])
     sol, z = _robust(a, y)
+    if sol[2] == 0 and x[:, 1].mean() > 0:
+        notes.append(
+            "the fit finds no per-decode cost: this log's steps cannot tell it from the per-step "
+            "cost (every step decodes about as many requests); replays that change the batch "
+            "size need a fit pooled with a run of varied batches (--fit --fit-also RUN)"
+        )
     # The robust fit is the typical step of each shape; contention with other processes makes
     # steps slower on average, never faster, and a replay should take as long as the run did:
     # scale the fit so its total is the measured total, stalls aside (a stall is one step's bad
