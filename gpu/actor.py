@@ -26,7 +26,7 @@ from gpu.kv_cache import resolve_num_blocks
 from gpu.structured.grammar import Compiled, GrammarError
 from gpu.structured.pending import Done, PendingCompiles
 from messages import executor as xm
-from messages.kv import Grow
+from messages.kv import Grow, HeldBlocks, Holding
 from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
 
@@ -71,6 +71,8 @@ class ExecutorActor(Actor):
         self.mailbox: deque[Any] = deque()
         self.wake = trio.Event()
         self.steps = 0
+        self.kv_down = False  # the KV manager died: growth waits for its successor
+        self.holding_due = False  # its successor answers: send it kv_holding
         self.lookahead = cfg.kv.lookahead_blocks * cfg.kv.block_size
         self.log.info(
             "executor.config",
@@ -94,6 +96,8 @@ class ExecutorActor(Actor):
             t0 = time.perf_counter()
             while self.mailbox:
                 self._apply(self.mailbox.popleft())
+            if self.holding_due:
+                self._send_holding()
             if not self.ex.has_work():
                 self.wake = trio.Event()
                 await self.wake.wait()
@@ -103,6 +107,12 @@ class ExecutorActor(Actor):
             t2 = time.perf_counter()
             self._publish(result)
             t3 = time.perf_counter()
+            if not result.num_requests and result.skipped and not self.mailbox:
+                # every request waits for blocks (a shortage, or the KV manager restarting):
+                # sleep until a message (a grant, a preemption) arrives
+                self.wake = trio.Event()
+                await self.wake.wait()
+                continue
             self.steps += 1
             if result.num_requests:
                 self.log.info(
@@ -142,12 +152,35 @@ class ExecutorActor(Actor):
         self.wake.set()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
+        if name == "kv_manager":  # our KV tensors are intact: keep running, rebuild it later
+            self.kv_down, self.holding_due = True, False
+            self.log.warning("executor.kv_lost", reason=reason, running=len(self.flight))
+            return
         self.mailbox.clear()
         self.compiling.clear()
         for rid in list(self.flight):
             self.ex.abort(rid)
         self.log.warning("executor.reset", reason=reason, dropped=len(self.flight))
         self.flight.clear()
+
+    def on_peer_back(self, name: str) -> None:
+        if name == "kv_manager" and self.kv_down:
+            self.holding_due = True  # sent by the step loop, after the mailbox's grants
+            self.wake.set()
+
+    def _send_holding(self) -> None:
+        """Tell the KV manager's successor every block table held, and the growth still due."""
+        held = [
+            HeldBlocks(rid, fl.attempt, self.ex.block_table(rid), fl.grow_asked)
+            for rid, fl in self.flight.items()
+        ]
+        held += [
+            HeldBlocks(run.request_id, run.attempt, list(run.block_table))
+            for run in self.compiling.runs.values()
+        ]
+        self.kv_down = self.holding_due = False
+        self.send("kv_manager", Holding(requests=held))
+        self.log.info("executor.kv_holding_sent", requests=len(held))
 
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, xm.Run):
@@ -337,6 +370,8 @@ class ExecutorActor(Actor):
             capacity = self.ex.capacity(rid)
             if capacity < need + self.lookahead and fl.grow_asked < need + self.lookahead:
                 fl.grow_asked = need + self.lookahead
+                if self.kv_down:
+                    continue  # asked of the successor in kv_holding
                 self.send(
                     "kv_manager",
                     Grow(request_id=rid, attempt=fl.attempt, total_tokens=fl.grow_asked),

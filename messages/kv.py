@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from messages.common import Hello, Msg, Ping
 
 
@@ -81,4 +83,42 @@ class Stats(Msg, tag="kv_stats_reply"):
     check_error: str = ""
 
 
-KVInbound = Hello | Ping | Admit | Grow | CachePrefix | Finish | Release | MatchQuery | StatsQuery
+class HeldBlocks(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One running request's blocks, as a peer of a restarted KV manager holds them."""
+
+    request_id: str
+    attempt: int
+    block_table: list[int]
+    want_tokens: int = 0  # growth asked for (of the dead KV manager): tokens to make room for
+
+
+class Rebuild(Msg, tag="kv_rebuild"):
+    """Scheduler -> a restarted KV manager: every request that holds blocks now, with the block
+    table it was admitted with. The pool is rebuilt from these (the executor's ``kv_holding``
+    has the tables grown since); nothing else holds blocks. ``executor_alive``: wait for the
+    executor's ``kv_holding`` first."""
+
+    running: list[HeldBlocks]
+    executor_alive: bool = True
+
+
+class Holding(Msg, tag="kv_holding"):
+    """Executor -> a restarted KV manager: the block table of every request it holds (their KV
+    is intact) and the growth each still needs."""
+
+    requests: list[HeldBlocks]
+
+
+KVInbound = (
+    Hello
+    | Ping
+    | Admit
+    | Grow
+    | CachePrefix
+    | Finish
+    | Release
+    | MatchQuery
+    | StatsQuery
+    | Rebuild
+    | Holding
+)

@@ -106,6 +106,19 @@ class Completed(Msg, tag="completed"):
     e2e_s: float = 0.0
 
 
+class KVRebuilt(Msg, tag="kv_rebuilt"):
+    """KV manager -> scheduler: a restarted KV manager rebuilt its pool from ``kv_rebuild`` and
+    ``kv_holding`` (``ok``), so admission may go on; or could not (``reason``: the running
+    requests must be resumed instead)."""
+
+    ok: bool
+    requests: int = 0
+    in_use: int = 0
+    free: int = 0
+    num_blocks: int = 0
+    reason: str = ""
+
+
 class MetricsQuery(Msg, tag="metrics"):
     """Anyone -> scheduler: answered on the same connection with ``MetricsText``."""
 
@@ -128,4 +141,5 @@ SchedulerInbound = (
     | PrefillDone
     | Completed
     | MetricsQuery
+    | KVRebuilt
 )

@@ -207,3 +207,54 @@ def test_repeatedly_preempted_request_gets_a_full_reservation():
     asks = sent(core, "kv_manager", km.Admit)
     assert asks[-1].attempt == 3
     assert asks[-1].reserve_tokens == 8 + 6  # prompt+2 outputs, plus the 6 tokens still allowed
+
+
+def test_kv_manager_death_keeps_running_requests_and_rebuilds_its_successor():
+    from messages.scheduler import KVRebuilt
+
+    core, _ = make()
+    for rid in ("a", "b", "c"):
+        submit(core, rid)
+    admit_ok(core, "a", table=(0, 1))
+    admit_ok(core, "b", table=(2, 3))  # "c" is being admitted when the KV manager dies
+    sent(core)
+    with capture_logs() as logs:
+        core.kv_lost("kv_manager died")
+    [ev] = [e for e in logs if e["event"] == "scheduler.kv_lost"]
+    assert ev["running"] == 2 and ev["requeued"] == "c"
+    assert set(core.running) == {"a", "b"} and "c" in core.queue  # nobody failed
+    # while it is down: nothing goes to the KV manager, nothing is admitted, ends still count
+    core.request_done(
+        RequestDone(request_id="a", attempt=1, status="finished", kv_token_ids=[1, 2, 3])
+    )
+    submit(core, "d")
+    out = core.take_outbox()
+    assert not [m for p, m in out if p == "kv_manager"] and not core.frees_in_flight
+    assert [m.request_id for p, m in out if isinstance(m, xm.Run)] == []
+    assert set(core.running) == {"b"}
+    # its successor answers: the rebuild lists who holds blocks, as admitted
+    core.kv_back(executor_alive=True)
+    [rebuild] = sent(core, "kv_manager", km.Rebuild)
+    assert [(h.request_id, h.attempt, h.block_table) for h in rebuild.running] == [("b", 1, [2, 3])]
+    assert rebuild.executor_alive
+    core.abort("b", "cancel")  # while it rebuilds: sent (the successor defers it), no admission
+    out = core.take_outbox()
+    assert [type(m) for p, m in out] == [xm.Stop] and not core.kv_serving
+    core.kv_rebuilt(KVRebuilt(ok=True, requests=1, in_use=2, free=10, num_blocks=12))
+    [ask] = sent(core, "kv_manager", km.Admit)
+    assert ask.request_id == "c" and ask.attempt == 2  # the lost admission, first
+
+
+def test_a_failed_kv_rebuild_resumes_every_request():
+    from messages.scheduler import KVRebuilt
+
+    core, _ = make()
+    submit(core, "a")
+    admit_ok(core, "a")
+    core.kv_lost("kv_manager died")
+    core.kv_back(executor_alive=True)
+    sent(core)
+    core.kv_rebuilt(KVRebuilt(ok=False, reason="unknown block 99"))
+    failed = sent(core, "tokenizer", tm.RequestFailed)
+    assert [(f.request_id, f.code) for f in failed] == [("a", "actor_dead")]
+    assert "could not rebuild" in failed[0].message and not core.requests and core.kv_serving

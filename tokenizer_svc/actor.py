@@ -260,6 +260,8 @@ class TokenizerService(ResumingMixin, Actor):
                 self._fail(live, msg.code, msg.message, msg.field)
 
     def on_peer_dead(self, name: str, reason: str) -> None:
+        if name == "kv_manager":
+            return  # nothing is lost: the executor keeps running, the successor rebuilds
         for live in list(self.live.values()):
             if live.internal_id in self.live:  # not ended meanwhile by its client's disconnect
                 self._lose(live, reason)

@@ -121,6 +121,20 @@ class BlockPool:
         self._free.extend(freed)
         return freed
 
+    def adopt(self, refs: dict[int, int]) -> None:
+        """Start from held blocks (a pool rebuilt from its holders): ``refs`` maps a block to
+        its number of holders. Only on a pool that holds nothing; ``KVError``, no change, on an
+        unknown block or a count below 1."""
+        if any(self._refs):
+            raise KVError("adopt needs a pool that holds nothing")
+        for b, n in refs.items():
+            self._known(b)
+            if n < 1:
+                raise KVError(f"block {b}: {n} holders")
+        for b, n in refs.items():
+            self._refs[b] = n
+        self._free = [b for b in range(self.num_blocks - 1, -1, -1) if not self._refs[b]]
+
     def _known(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise KVError(f"unknown block {block} (pool has {self.num_blocks})")

@@ -15,11 +15,14 @@ pairs), replies returned to the caller, and events logged. No sockets, no clock.
 - ``match(MatchQuery)``/``stats(check)``: the replies to queries.
 - ``peer_dead(name, reason)``: every request's blocks are dropped; if the executor died its KV
   tensors died with it, so the prefix cache is emptied too.
+- ``report(Rebuild | Holding)``: this KV manager is a restarted one; once the scheduler's and
+  the executor's reports are in, the pool holds the running requests' blocks again (rebuild.py)
+  and the scheduler hears ``KVRebuilt``. What arrives in between waits.
 
 Messages for an attempt the core does not hold (stale after a preemption or a restart) are
 ignored. Events (all ``kv.*`` / ``prefix.*``): kv.config, kv.refused, prefix.matched,
 kv.evicted, kv.allocated, kv.extended, kv.shortage, kv.released, kv.cached, kv.cache_error,
-kv.finish_error, kv.stale_request, kv.reset.
+kv.finish_error, kv.stale_request, kv.reset, kv.rebuilt, kv.rebuild_failed.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import msgspec
 
 from actors.kv.errors import KVError
 from actors.kv.manager import KVManager
+from actors.kv.rebuild import Rebuilding, RebuildMixin
 from actors.kv.results import Extended, Refused, Shortage
 from actors.runtime.config import KVConfig
 from messages import kv as km
 from messages.executor import Extend
-from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage
+from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVRebuilt
 
 Outgoing = tuple[str, msgspec.Struct]
 
@@ -49,7 +53,7 @@ def _numbers(res: Refused | Shortage) -> dict[str, int]:
     }
 
 
-class KVCore:
+class KVCore(RebuildMixin):
     def __init__(self, num_blocks: int, cfg: KVConfig, log: Any) -> None:
         self.cfg = cfg
         self.log = log
@@ -57,6 +61,7 @@ class KVCore:
         self.attempts: dict[str, int] = {}  # request id -> the attempt holding its blocks
         self.pending_growth: OrderedDict[str, tuple[int, int]] = OrderedDict()  # oldest first
         self.outbox: list[Outgoing] = []
+        self.rebuilding: Rebuilding | None = None  # a restarted KV manager, reports coming in
         self.log.info(
             "kv.config",
             num_blocks=num_blocks,
@@ -211,7 +216,11 @@ class KVCore:
     def handle(self, msg: km.KVInbound) -> km.MatchReply | km.Stats | None:
         """Dispatch one inbound message; returns the answer to a query (``kv_match``,
         ``kv_stats``) for the sender's connection, else None (what to send is in the outbox)."""
-        if isinstance(msg, km.Admit):
+        if isinstance(msg, (km.Rebuild, km.Holding)):
+            self.report(msg)
+        elif self.rebuilding is not None and not isinstance(msg, (km.MatchQuery, km.StatsQuery)):
+            self.rebuilding.deferred.append(msg)  # after the rebuild
+        elif isinstance(msg, km.Admit):
             self.admit(msg)
         elif isinstance(msg, km.Grow):
             self.grow(msg)
@@ -252,7 +261,14 @@ class KVCore:
 
     # --------------------------------------------------------------- failures
     def peer_dead(self, name: str, reason: str) -> None:
-        """Drop every request's blocks; empty the prefix cache too if the executor died."""
+        """Drop every request's blocks; empty the prefix cache too if the executor died. A
+        rebuild waiting for the dead peer's report is given up (the scheduler is told)."""
+        if self.rebuilding is not None:
+            waited, self.rebuilding = self.rebuilding, None
+            if waited.running is not None and name != "scheduler":
+                why = f"{name} died during the rebuild: {reason}"
+                self.log.error("kv.rebuild_failed", reason=why, requests=len(waited.running))
+                self.outbox.append(("scheduler", KVRebuilt(ok=False, reason=why)))
         if name == "executor":
             self.mgr = self._new_manager(self.mgr.pool.num_blocks)
         else:

@@ -31,6 +31,7 @@ class RequestState:
     lock: RadixNode | None
     seq: int
     cached_tokens: int
+    cacheable: bool = True  # False: rebuilt with blocks other requests share (adopt)
 
 
 class KVManager:
@@ -237,6 +238,8 @@ class KVManager:
         return self._cache_tokens(self._get(request_id), token_ids)
 
     def _cache_tokens(self, req: RequestState, token_ids: Sequence[int]) -> int:
+        if not req.cacheable:
+            return 0
         cap = len(req.blocks) * self.block_size
         if len(token_ids) > cap:
             raise KVError(f"{len(token_ids)} tokens exceed the request's {cap}-token table")
@@ -293,6 +296,25 @@ class KVManager:
                 gone += 1
         self._in_use -= gone
         return freed
+
+    def adopt(self, tables: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Hold these block tables (request id, blocks; admission order) in a manager that holds
+        nothing: a restarted KV manager rebuilt from its peers. Nothing is cached. ``KVError``,
+        no change, on an unknown block, a block twice in one table, or a request twice."""
+        if self.requests or len({rid for rid, _ in tables}) != len(tables):
+            raise KVError("adopt needs an empty manager and each request once")
+        refs: dict[int, int] = {}
+        for rid, blocks in tables:
+            if len(set(blocks)) != len(blocks):
+                raise KVError(f"request {rid!r}: a block twice in its table")
+            for b in blocks:
+                refs[b] = refs.get(b, 0) + 1
+        self.pool.adopt(refs)
+        for rid, blocks in tables:
+            self._seq += 1
+            alone = all(refs[b] == 1 for b in blocks)
+            self.requests[rid] = RequestState(list(blocks), None, self._seq, 0, cacheable=alone)
+        self._in_use = len(refs)
 
     def pick_victim(
         self,

@@ -62,15 +62,22 @@ class SchedulerActor(Actor):
             self._flush()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
-        self.core.reset(reason)
+        if name == "kv_manager":  # the executor's KV outlives it: its successor rebuilds
+            self.core.kv_lost(reason)
+        else:
+            self.core.reset(reason)
         self._flush()
 
     def on_peer_back(self, name: str) -> None:
+        if name == "kv_manager":
+            self.core.kv_back(executor_alive="executor" not in self.down)
+            self._flush()
+            return
         # let every actor notice the death and reset before admitting again
         self.settle_until = time.monotonic() + 2 * self.hb
 
     def is_ready(self) -> bool:
-        return not self.down and time.monotonic() >= self.settle_until
+        return not self.down and time.monotonic() >= self.settle_until and self.core.kv_serving
 
     def handle(self, ident: bytes, msg: Any) -> None:
         core = self.core

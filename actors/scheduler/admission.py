@@ -146,6 +146,7 @@ class AdmissionMixin(CoreBase):
         self._admit_seq += 1
         req.admitted_seq = self._admit_seq
         req.status = Status.RUNNING
+        req.block_table = list(msg.block_table)
         self.running[req.request_id] = req
         req.queue_s += max(0.0, self.clock() - req.enqueued)
         self.counters["admitted"] += 1

@@ -48,10 +48,16 @@ class CoreBase(abc.ABC):
         self.admitting: SchedRequest | None = None  # set while ADMITTING
         self.frees_in_flight = 0  # kv_finish/kv_release sent, their ``freed`` not yet back
         self.preempting: str | None = None  # one preemption at a time
+        self.kv_down = False  # the KV manager died and no successor answers yet (recovery.py)
+        self.kv_rebuilding = False  # its successor is rebuilding its pool from kv_rebuild
         self.outbox: list[Outgoing] = []
         self._seq = 0
         self._admit_seq = 0
         self.counters = {"admitted": 0, "refused": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+
+    @abc.abstractmethod
+    def reset(self, reason: str) -> None:
+        """An actor died: fail every request, start empty (core.py)."""
 
     @abc.abstractmethod
     def schedule(self) -> None:
@@ -63,7 +69,10 @@ class CoreBase(abc.ABC):
 
     def _free_blocks(self, msg: km.Finish | km.Release) -> None:
         """Send a finish/release to the KV manager and count it: every one is answered with a
-        ``freed``, and a refusal with nothing running fails the request only when none is due."""
+        ``freed``, and a refusal with nothing running fails the request only when none is due.
+        Not sent while the KV manager is down (its successor's rebuild accounts for it)."""
+        if self.kv_down:
+            return
         self.frees_in_flight += 1
         self._send("kv_manager", msg)
 

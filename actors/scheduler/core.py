@@ -20,6 +20,8 @@ Inputs, each may append to the outbox and logs its events:
     ``match_reply(MatchReply)`` (from the KV manager);
     ``request_done(RequestDone)``, ``prefill_done(PrefillDone)`` (from the executor);
     ``reset(reason)`` (an actor died: fail every request, start empty);
+    ``kv_lost(reason)``, ``kv_back(executor_alive)``, ``kv_rebuilt(KVRebuilt)`` (the KV manager
+    died and its successor rebuilds its pool: running requests go on; recovery.py);
     ``schedule()`` (offer the next request if nothing blocks; the inputs call it themselves).
 Output: ``take_outbox() -> list[(peer, message)]``, peers ``"kv_manager"``, ``"executor"``,
     ``"tokenizer"``, in send order (``outbox`` is the same list, not emptied).
@@ -42,6 +44,7 @@ from actors.scheduler.admission import AdmissionMixin
 from actors.scheduler.base import AdmissionState
 from actors.scheduler.preemption import PreemptionMixin
 from actors.scheduler.queue import make_queue
+from actors.scheduler.recovery import RecoveryMixin
 from actors.scheduler.state import SchedRequest, Status
 from messages import executor as xm
 from messages import kv as km
@@ -52,6 +55,7 @@ from messages.scheduler import (
     AdmitResult,
     BlocksFreed,
     GrowthShortage,
+    KVRebuilt,
     PrefillDone,
     RequestDone,
     Submit,
@@ -60,7 +64,7 @@ from messages.scheduler import (
 __all__ = ["AdmissionState", "SchedulerCore"]
 
 
-class SchedulerCore(AdmissionMixin, PreemptionMixin):
+class SchedulerCore(RecoveryMixin, AdmissionMixin, PreemptionMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -166,6 +170,8 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
             self.prefill_done(msg)
         elif isinstance(msg, km.MatchReply):
             self.match_reply(msg)
+        elif isinstance(msg, KVRebuilt):
+            self.kv_rebuilt(msg)
         else:
             return False
         return True
@@ -174,6 +180,8 @@ class SchedulerCore(AdmissionMixin, PreemptionMixin):
         """Offer the next request (by policy) to the KV manager if nothing blocks admission;
         while it is blocked, a more important waiting request may preempt (priority)."""
         if self.admission in (AdmissionState.ADMITTING, AdmissionState.MATCHING):
+            return
+        if not self.kv_serving:
             return
         now = self.clock()
         if self.admission is AdmissionState.BLOCKED or len(self.running) >= self.cfg.max_batch_size:

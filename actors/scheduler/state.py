@@ -37,6 +37,7 @@ class SchedRequest:
     attempt: int = 0
     admitted_seq: int = 0  # order of the latest admission (for the newest-first victim policy)
     output_ids: list[int] = field(default_factory=list)  # generated in earlier attempts
+    block_table: list[int] = field(default_factory=list)  # as admitted (for a KV rebuild)
     preemptions: int = 0
     yield_to_priority: bool = False  # preempted by priority: requeue by policy, not first
     abort_reason: str | None = None  # set when an abort arrives while an answer is pending
