@@ -23,28 +23,17 @@ from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
 from gpu.kv_cache import resolve_num_blocks
+from gpu.recovery import Flight, RecoveryMixin
 from gpu.structured.grammar import Compiled, GrammarError
 from gpu.structured.pending import Done, PendingCompiles
 from messages import executor as xm
-from messages.kv import Grow, HeldBlocks, Holding
+from messages.common import Reconcile
+from messages.kv import Grow
 from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
 
 
-class _Flight:
-    """What the actor tracks per in-flight request (the executor tracks the rest)."""
-
-    __slots__ = ("attempt", "grow_asked", "outputs", "prompt", "started")
-
-    def __init__(self, attempt: int, prompt: list[int]) -> None:
-        self.attempt = attempt
-        self.prompt = prompt
-        self.outputs: list[int] = []
-        self.grow_asked = 0  # total tokens last asked of the KV manager
-        self.started = time.monotonic()
-
-
-class ExecutorActor(Actor):
+class ExecutorActor(RecoveryMixin, Actor):
     name = "executor"
     inbound = xm.ExecutorInbound
 
@@ -65,14 +54,13 @@ class ExecutorActor(Actor):
             decode_first=x.decode_first,
             threads=x.threads,
         )
-        self.flight: dict[str, _Flight] = {}
+        self.flight: dict[str, Flight] = {}
         self.compiling = PendingCompiles(self.ex.structured)
         self.nursery: trio.Nursery | None = None
         self.mailbox: deque[Any] = deque()
         self.wake = trio.Event()
         self.steps = 0
-        self.kv_down = False  # the KV manager died: growth waits for its successor
-        self.holding_due = False  # its successor answers: send it kv_holding
+        self._init_recovery()
         self.lookahead = cfg.kv.lookahead_blocks * cfg.kv.block_size
         self.log.info(
             "executor.config",
@@ -98,6 +86,8 @@ class ExecutorActor(Actor):
                 self._apply(self.mailbox.popleft())
             if self.holding_due:
                 self._send_holding()
+            while self.reconcile_due:
+                self.reply(self.reconcile_due.pop(), self._held())
             if not self.ex.has_work():
                 self.wake = trio.Event()
                 await self.wake.wait()
@@ -148,39 +138,11 @@ class ExecutorActor(Actor):
                 ),
             )
             return
-        self.mailbox.append(msg)
+        if isinstance(msg, Reconcile):
+            self.reconcile_due.append(ident)  # answered by the step loop, after the mailbox
+        else:
+            self.mailbox.append(msg)
         self.wake.set()
-
-    def on_peer_dead(self, name: str, reason: str) -> None:
-        if name == "kv_manager":  # our KV tensors are intact: keep running, rebuild it later
-            self.kv_down, self.holding_due = True, False
-            self.log.warning("executor.kv_lost", reason=reason, running=len(self.flight))
-            return
-        self.mailbox.clear()
-        self.compiling.clear()
-        for rid in list(self.flight):
-            self.ex.abort(rid)
-        self.log.warning("executor.reset", reason=reason, dropped=len(self.flight))
-        self.flight.clear()
-
-    def on_peer_back(self, name: str) -> None:
-        if name == "kv_manager" and self.kv_down:
-            self.holding_due = True  # sent by the step loop, after the mailbox's grants
-            self.wake.set()
-
-    def _send_holding(self) -> None:
-        """Tell the KV manager's successor every block table held, and the growth still due."""
-        held = [
-            HeldBlocks(rid, fl.attempt, self.ex.block_table(rid), fl.grow_asked)
-            for rid, fl in self.flight.items()
-        ]
-        held += [
-            HeldBlocks(run.request_id, run.attempt, list(run.block_table))
-            for run in self.compiling.runs.values()
-        ]
-        self.kv_down = self.holding_due = False
-        self.send("kv_manager", Holding(requests=held))
-        self.log.info("executor.kv_holding_sent", requests=len(held))
 
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, xm.Run):
@@ -293,7 +255,7 @@ class ExecutorActor(Actor):
         except ExecutorInputError as e:
             self._reject(msg, e)
             return
-        self.flight[rid] = _Flight(msg.attempt, msg.prompt_ids)
+        self.flight[rid] = Flight(msg.attempt, msg.prompt_ids, msg.output_offset)
         self.log.info(
             "executor.running",
             request_id=rid,
@@ -303,7 +265,7 @@ class ExecutorActor(Actor):
             blocks=len(msg.block_table),
         )
 
-    def _end(self, rid: str, status: str) -> _Flight:
+    def _end(self, rid: str, status: str) -> Flight:
         """Drop the request (``status`` preempted or aborted) and tell the scheduler."""
         fl = self.flight.pop(rid)
         self.ex.abort(rid)

@@ -56,6 +56,12 @@ class Ping(Msg, tag="ping"):
     nonce: int = 0
 
 
+class Reconcile(Msg, tag="reconcile"):
+    """Scheduler -> tokenizer, executor, KV manager, once at its start: answered on the same
+    connection with what the receiver holds (``live_requests``, ``x_held``, ``kv_held``), from
+    which a restarted scheduler rebuilds its state (empty at a first start)."""
+
+
 class Pong(Msg, tag="pong"):
     actor: str
     nonce: int = 0

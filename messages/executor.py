@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from messages.common import Hello, Msg, Ping, SamplingParams
+from messages.common import Hello, Msg, Ping, Reconcile, SamplingParams
 
 
 class Run(Msg, tag="x_run"):
@@ -62,4 +62,4 @@ class ExecutorStats(Msg, tag="x_stats_reply"):
     structured_cached: int = 0
 
 
-ExecutorInbound = Hello | Ping | Run | Extend | Preempt | Stop | Stats
+ExecutorInbound = Hello | Ping | Run | Extend | Preempt | Stop | Stats | Reconcile

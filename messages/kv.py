@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.common import Hello, Msg, Ping
+from messages.common import Hello, Msg, Ping, Reconcile
 
 
 class Admit(Msg, tag="kv_admit"):
@@ -121,4 +121,5 @@ KVInbound = (
     | StatsQuery
     | Rebuild
     | Holding
+    | Reconcile
 )

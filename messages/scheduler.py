@@ -3,7 +3,10 @@ request state changes (executor)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from messages.common import Hello, Msg, Ping, SamplingParams
+from messages.kv import HeldBlocks
 
 
 class Submit(Msg, tag="submit"):
@@ -117,6 +120,38 @@ class KVRebuilt(Msg, tag="kv_rebuilt"):
     free: int = 0
     num_blocks: int = 0
     reason: str = ""
+
+
+class LiveRequests(Msg, tag="live_requests"):
+    """Tokenizer -> scheduler, the answer to ``reconcile``: every request in flight at the front
+    door (not pending a resume), as it would submit it again (``output_ids``: the tokens streamed
+    so far)."""
+
+    requests: list[Submit]
+
+
+class RunningAttempt(msgspec.Struct, array_like=True):
+    """One attempt in the executor: ``output_offset`` of its prompt's tokens are outputs of
+    earlier attempts."""
+
+    request_id: str
+    attempt: int
+    output_offset: int
+
+
+class ExecutorHeld(Msg, tag="x_held"):
+    """Executor -> scheduler, the answer to ``reconcile``: the attempts it runs (or compiles a
+    grammar for), and the ``done`` it sent or held in the last seconds, which a dead scheduler
+    may never have read."""
+
+    running: list[RunningAttempt]
+    ended: list[RequestDone]
+
+
+class KVHeld(Msg, tag="kv_held"):
+    """KV manager -> scheduler, the answer to ``reconcile``: every request that holds blocks."""
+
+    allocations: list[HeldBlocks]
 
 
 class MetricsQuery(Msg, tag="metrics"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.common import Hello, Msg, Ping, SamplingParams
+from messages.common import Hello, Msg, Ping, Reconcile, SamplingParams
 
 SCOPE_SEP = "@"
 
@@ -94,5 +94,5 @@ class RequestFailed(Msg, tag="failed"):
 FromClient = Hello | Ping | Generate | Cancel
 """What the client endpoint accepts."""
 
-TokenizerInbound = Hello | Ping | TokenBatch | RequestAdmitted | RequestFailed
+TokenizerInbound = Hello | Ping | TokenBatch | RequestAdmitted | RequestFailed | Reconcile
 """What the tokenizer service's internal inbox accepts (from the scheduler and executor)."""

@@ -8,8 +8,9 @@ from structlog.testing import capture_logs
 from actors.kv.core import KVCore
 from actors.runtime.config import KVConfig
 from messages import kv as km
+from messages.common import Reconcile
 from messages.executor import Extend
-from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVRebuilt
+from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVHeld, KVRebuilt
 
 BS = 4
 
@@ -78,7 +79,11 @@ def test_executor_death_empties_the_cache_other_deaths_keep_it():
     admit(core, "a", list(range(8)), 8)
     core.leave(km.Finish(request_id="a", attempt=1, token_ids=list(range(8))))
     admit(core, "b", list(range(100, 104)), 4)
-    core.peer_dead("scheduler", "scheduler died")
+    core.peer_dead("scheduler", "scheduler died")  # kept for its successor's reconciliation
+    held = core.handle(Reconcile())
+    assert isinstance(held, KVHeld)
+    assert [(h.request_id, h.attempt) for h in held.allocations] == [("b", 1)]
+    core.peer_dead("tokenizer", "tokenizer died")  # the scheduler fails every request
     s = core.stats(check=True)
     assert s.check_ok and s.running == 0 and s.in_use == 0
     assert core.match(km.MatchQuery(token_lists=[list(range(9))])).cached_tokens == [8]
@@ -101,7 +106,7 @@ def _prefix_shared_pool() -> tuple[KVCore, list[int], list[int]]:
 
 
 def test_a_restarted_kv_manager_rebuilds_the_running_requests_blocks_from_its_peers():
-    old, b_table, c_table = _prefix_shared_pool()
+    _, b_table, c_table = _prefix_shared_pool()
     assert b_table[:2] == c_table[:2]  # the shared cached prefix
     new = make(num_blocks=12)  # the successor: empty
     with capture_logs() as logs:

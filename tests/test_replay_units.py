@@ -89,7 +89,9 @@ def test_a_fit_that_cannot_see_the_decode_cost_says_so_and_pooling_recovers_it(t
     assert abs(alone.predict(0, 4, 0, 800, 0) / truth - 1) > 0.3  # a batch of 4 decodes: wrong
     varied = _steps(law, [(0, d, 0, d * c) for d in range(1, 9) for c in (50, 300)])
     pooled = stepmodel.fit_runs([full, varied])
-    assert pooled.n == len(full) + len(varied) and not any("no per-decode" in n for n in pooled.notes)
+    assert pooled.n == len(full) + len(varied) and not any(
+        "no per-decode" in n for n in pooled.notes
+    )
     assert pooled.coef["decode_tokens"] == pytest.approx(law["decode_tokens"], rel=0.05)
     assert pooled.predict(0, 4, 0, 800, 0) == pytest.approx(truth, rel=0.05)
 

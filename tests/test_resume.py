@@ -60,7 +60,10 @@ async def run_all(rt, reqs: list[dict], on_token=None) -> dict[str, list[int]]:
 @pytest.mark.deadline(120)
 @pytest.mark.parametrize("victim", ["executor", "kv_manager", "scheduler"])
 async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tmp_path):
-    seed = {"executor": 1, "kv_manager": 2, "scheduler": 3}[victim]
+    # Workload seeds whose greedy steps all have a top-2 logit gap over 3e-3 on the tiny model:
+    # fp32 GEMMs are not batch-invariant (another batch around a request changes the last bits),
+    # so a near-tie (seed 1 has a 4e-5 gap) can flip a greedy token with or without any crash.
+    seed = {"executor": 6, "kv_manager": 8, "scheduler": 3}[victim]
     reqs = workload(seed)
     total = sum(r["max_tokens"] for r in reqs)
     kill_after = random.Random(seed).randint(total // 8, total // 3)
@@ -94,6 +97,14 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
             assert not events, events[:3]  # nothing recomputed, nothing resubmitted
             rebuilt = rt.events("kv.rebuilt")
             assert len(rebuilt) == 1 and rebuilt[0]["from_executor"] > 0, rebuilt
+        elif victim == "scheduler":  # its successor reconciled from its peers' answers
+            first, again = rt.events("scheduler.reconciled")  # at the start, after the restart
+            assert not any(first[k] for k in ("running", "queued", "freed")), first
+            assert again["running"] + again["queued"] + again["freed"] > 0, again
+            # the running requests went on: only attempts the crash cut short are recomputed
+            cut = [e for e in events if e["reason"] == "scheduler restarted"]
+            assert len(cut) <= again["queued"]
+            assert all(e["output_tokens"] == 0 for e in events if e not in cut), events[:3]
         else:
             assert events and all(victim in e["reason"] for e in events), events[:3]
         if victim == "executor":  # its running requests died with it, some mid-decode

@@ -258,3 +258,64 @@ def test_a_failed_kv_rebuild_resumes_every_request():
     failed = sent(core, "tokenizer", tm.RequestFailed)
     assert [(f.request_id, f.code) for f in failed] == [("a", "actor_dead")]
     assert "could not rebuild" in failed[0].message and not core.requests and core.kv_serving
+
+
+def test_a_restarted_scheduler_reconciles_from_its_peers_nothing_twice_nothing_forgotten():
+    from messages.scheduler import ExecutorHeld, KVHeld, LiveRequests, RunningAttempt
+
+    core, _ = make()
+
+    def live(rid, out=()):
+        p = SamplingParams(max_tokens=8)
+        return Submit(
+            request_id=rid, prompt_ids=[1, 2, 3], params=p, arrival=0.0, output_ids=list(out)
+        )
+
+    front = LiveRequests(
+        requests=[live("a", [7, 8, 9]), live("b", [5]), live("c"), live("d", [4] * 8)]
+    )
+    ex = ExecutorHeld(
+        running=[RunningAttempt("a", 2, 2), RunningAttempt("x", 1, 0)],  # x: cancelled since
+        ended=[
+            RequestDone(request_id="b", attempt=1, status="preempted", output_ids=[5]),
+            RequestDone(request_id="d", attempt=1, status="finished", kv_token_ids=[1, 2, 3, 4]),
+        ],
+    )
+    kv = KVHeld(
+        allocations=[
+            km.HeldBlocks("a", 2, [0, 1, 2]),
+            km.HeldBlocks("b", 1, [3]),
+            km.HeldBlocks("d", 1, [4, 5]),
+            km.HeldBlocks("x", 1, [6]),
+            km.HeldBlocks("z", 3, [7]),  # admitted by the dead scheduler, its x_run lost
+        ]
+    )
+    with capture_logs() as logs:
+        core.reconcile(front, ex, kv)
+    [ev] = [e for e in logs if e["event"] == "scheduler.reconciled"]
+    assert ev == {
+        **ev,
+        **dict(running=1, queued=2, resumed=1, stopped=1, freed=3, ended=1),
+    }
+    out = core.take_outbox()
+    to_kv = [(type(m).__name__, m.request_id, m.attempt) for p, m in out if p == "kv_manager"]
+    assert ("Release", "b", 1) in to_kv and ("Finish", "d", 1) in to_kv
+    assert ("Release", "z", 3) in to_kv
+    assert not any(r == "a" for _, r, _ in to_kv)  # a runs on, untouched
+    assert [(m.request_id, m.attempt) for p, m in out if isinstance(m, xm.Stop)] == [("x", 1)]
+    a = core.running["a"]
+    assert a.status.holds_blocks and a.attempt == 2 and a.output_ids == [7, 8]
+    assert a.block_table == [0, 1, 2] and "d" not in core.requests
+    assert [r.request_id for r in core.queue] == ["b", "c"]
+    assert core.requests["b"].output_ids == [5]
+    assert ("Admit", "b", 2) in to_kv  # offered again, past the attempt that ran
+    # x's stop is answered: its blocks go back, nothing else changes
+    core.request_done(RequestDone(request_id="x", attempt=1, status="aborted"))
+    assert ("kv_manager", "x") in [(p, m.request_id) for p, m in core.take_outbox()]
+    assert "x" not in core.requests
+    # a finishing normally is a normal end: its blocks are cached
+    core.request_done(
+        RequestDone(request_id="a", attempt=2, status="finished", kv_token_ids=[1, 2, 3, 7, 8])
+    )
+    finish = [m for p, m in core.take_outbox() if isinstance(m, km.Finish)]
+    assert [m.request_id for m in finish] == ["a"]

@@ -27,7 +27,7 @@ from actors.runtime.liveness import State
 from actors.runtime.transport import ZSocket
 from messages import client as cm
 from messages.codec import Decoder
-from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Pong
+from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Pong, Reconcile
 from messages.scheduler import Abort
 from messages.tokenizer import (
     Cancel,
@@ -258,10 +258,14 @@ class TokenizerService(ResumingMixin, Actor):
                 self._lose(live, msg.message)  # an actor died or the runtime settles: resume
             elif live is not None:
                 self._fail(live, msg.code, msg.message, msg.field)
+        elif isinstance(msg, Reconcile):
+            self.reply(ident, self.live_requests())
 
     def on_peer_dead(self, name: str, reason: str) -> None:
-        if name == "kv_manager":
-            return  # nothing is lost: the executor keeps running, the successor rebuilds
+        if name in ("kv_manager", "scheduler"):
+            # nothing is lost: the executor keeps running; the KV manager's successor rebuilds
+            # its pool, the scheduler's asks every peer what it holds (reconcile)
+            return
         for live in list(self.live.values()):
             if live.internal_id in self.live:  # not ended meanwhile by its client's disconnect
                 self._lose(live, reason)

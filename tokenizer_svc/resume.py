@@ -47,6 +47,10 @@ class Resume:
         """The ``Submit`` of the next attempt (``output_ids``: the tokens streamed so far)."""
         self.pending_since = None
         self.progressed = False
+        return self.as_submit(request_id, output_ids)
+
+    def as_submit(self, request_id: str, output_ids: list[int]) -> Submit:
+        """The request as it would be submitted again now (no change)."""
         return Submit(
             request_id=request_id,
             prompt_ids=self.prompt_ids,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from messages.common import ErrorCode
-from messages.scheduler import Abort
+from messages.scheduler import Abort, LiveRequests
 from tokenizer_svc.clients import ClientEndpoint
 from tokenizer_svc.resume import Resume
 from tokenizer_svc.streams import Stream
@@ -61,6 +61,17 @@ class ResumingMixin:
             output_tokens=len(live.stream.token_ids),
             resumes=live.resume.resumes,
         )
+
+    def live_requests(self) -> LiveRequests:
+        """Every request in flight (not pending a resume), as it would be submitted again: the
+        answer to a (re)started scheduler's ``reconcile``."""
+        reqs = [
+            lv.resume.as_submit(lv.internal_id, lv.stream.token_ids)
+            for lv in self.live.values()
+            if not lv.resume.pending
+        ]
+        self.log.info("tokenizer.reconcile_answered", requests=len(reqs))
+        return LiveRequests(requests=reqs)
 
     async def _resume_loop(self) -> None:
         """Submit the pending requests again once the runtime serves; fail those that waited

@@ -38,8 +38,9 @@ from actors.kv.rebuild import Rebuilding, RebuildMixin
 from actors.kv.results import Extended, Refused, Shortage
 from actors.runtime.config import KVConfig
 from messages import kv as km
+from messages.common import Reconcile
 from messages.executor import Extend
-from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVRebuilt
+from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVHeld, KVRebuilt
 
 Outgoing = tuple[str, msgspec.Struct]
 
@@ -213,11 +214,13 @@ class KVCore(RebuildMixin):
                 break  # oldest first: the rest wait for the next free
 
     # ----------------------------------------------------------------- queries
-    def handle(self, msg: km.KVInbound) -> km.MatchReply | km.Stats | None:
+    def handle(self, msg: km.KVInbound) -> km.MatchReply | km.Stats | KVHeld | None:
         """Dispatch one inbound message; returns the answer to a query (``kv_match``,
         ``kv_stats``) for the sender's connection, else None (what to send is in the outbox)."""
         if isinstance(msg, (km.Rebuild, km.Holding)):
             self.report(msg)
+        elif isinstance(msg, Reconcile):
+            return self.held()
         elif self.rebuilding is not None and not isinstance(msg, (km.MatchQuery, km.StatsQuery)):
             self.rebuilding.deferred.append(msg)  # after the rebuild
         elif isinstance(msg, km.Admit):
@@ -233,6 +236,20 @@ class KVCore(RebuildMixin):
         elif isinstance(msg, km.StatsQuery):
             return self.stats(msg.check)
         return None
+
+    def held(self) -> KVHeld:
+        """Every request that holds blocks: the answer to a (re)started scheduler's
+        ``reconcile``. Growth still waiting for blocks is reported again (a shortage sent to the
+        dead scheduler may never have been read)."""
+        allocations = [
+            km.HeldBlocks(rid, self.attempts.get(rid, 0), list(st.blocks))
+            for rid, st in self.mgr.requests.items()
+        ]
+        for rid, (attempt, total) in list(self.pending_growth.items()):
+            if self._current(rid, attempt):
+                self._grow(rid, attempt, total)
+        self.log.info("kv.reconcile_answered", requests=len(allocations))
+        return KVHeld(allocations=allocations)
 
     def match(self, msg: km.MatchQuery) -> km.MatchReply:
         return km.MatchReply(cached_tokens=[self.mgr.peek_match(t) for t in msg.token_lists])
@@ -261,11 +278,20 @@ class KVCore(RebuildMixin):
 
     # --------------------------------------------------------------- failures
     def peer_dead(self, name: str, reason: str) -> None:
-        """Drop every request's blocks; empty the prefix cache too if the executor died. A
-        rebuild waiting for the dead peer's report is given up (the scheduler is told)."""
+        """The scheduler died: keep every block (its successor reconciles from ``held``). The
+        executor died: its KV died with it, start empty. The front door died: drop every
+        request's blocks (the scheduler fails them all). A rebuild waiting for the dead peer's
+        report goes on without the scheduler's, or is given up (the scheduler is told)."""
+        if name == "scheduler":
+            if self.rebuilding is not None:
+                self.rebuilding.scheduler_gone = True  # the executor's tables are the truth
+                if self.rebuilding.ready:
+                    self._rebuild(self.rebuilding)
+            self.log.warning("kv.scheduler_lost", reason=reason, running=len(self.mgr.requests))
+            return
         if self.rebuilding is not None:
             waited, self.rebuilding = self.rebuilding, None
-            if waited.running is not None and name != "scheduler":
+            if waited.running is not None:
                 why = f"{name} died during the rebuild: {reason}"
                 self.log.error("kv.rebuild_failed", reason=why, requests=len(waited.running))
                 self.outbox.append(("scheduler", KVRebuilt(ok=False, reason=why)))

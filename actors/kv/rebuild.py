@@ -28,6 +28,7 @@ class Rebuilding:
     running: list[km.HeldBlocks] | None = None  # the scheduler's kv_rebuild
     holding: list[km.HeldBlocks] | None = None  # the executor's kv_holding
     wait_for_executor: bool = True
+    scheduler_gone: bool = False  # it died before its report: rebuild from the executor's
     deferred: list[Any] = field(default_factory=list)
 
     def add(self, msg: km.Rebuild | km.Holding) -> None:
@@ -38,12 +39,16 @@ class Rebuilding:
 
     @property
     def ready(self) -> bool:
+        if self.scheduler_gone and self.running is None:
+            return self.holding is not None
         return self.running is not None and (self.holding is not None or not self.wait_for_executor)
 
     def tables(self) -> list[km.HeldBlocks]:
         """Each request the scheduler runs, with the executor's table when it holds the same
         attempt (grown since admission; and the growth it still needs), else the admitted one
         (its ``x_run`` had not reached the executor, or it ended there meanwhile)."""
+        if self.running is None:  # the scheduler died first: its successor reconciles the rest
+            return list(self.holding or ())
         held = {h.request_id: h for h in self.holding or ()}
         out = []
         for r in self.running or ():

@@ -12,12 +12,15 @@ from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.metrics import Metrics, serve_metrics
-from messages.common import ErrorCode
+from messages.common import ErrorCode, Reconcile
 from messages.kv import MatchReply
 from messages.scheduler import (
     AdmitResult,
     BlocksFreed,
     Completed,
+    ExecutorHeld,
+    KVHeld,
+    LiveRequests,
     MetricsQuery,
     MetricsText,
     SchedulerInbound,
@@ -29,11 +32,17 @@ from messages.tokenizer import RequestFailed
 class SchedulerActor(Actor):
     name = "scheduler"
     inbound = SchedulerInbound
-    replies = MatchReply
+    replies = MatchReply | LiveRequests | ExecutorHeld | KVHeld
+    # who answers ``reconcile``, with which reply type
+    RECONCILE = {"tokenizer": LiveRequests, "executor": ExecutorHeld, "kv_manager": KVHeld}
 
     def __init__(self, cfg: RuntimeConfig) -> None:
         super().__init__(cfg)
         self.core = SchedulerCore(cfg.scheduler, cfg.kv, self.log)
+        # Nothing is admitted until every peer said what it holds (reconcile.py): empty at a
+        # first start; a restarted scheduler picks up where its predecessor stopped.
+        self.answers: dict[str, Any] | None = {}
+        self.deferred: list[Any] = []  # protocol messages that arrived before the answers
         # A (re)started scheduler admits nothing until every peer has had time to notice that
         # its predecessor died and to drop what referred to it.
         self.settle_until = time.monotonic() + (self.dead_after + 1) * self.hb
@@ -56,10 +65,24 @@ class SchedulerActor(Actor):
                 serve_metrics, self.metrics, self.cfg.scheduler.metrics_port, self.log
             )
 
+    def open(self) -> None:
+        super().open()
+        for peer in self.RECONCILE:
+            self.send(peer, Reconcile())
+
     def on_peer_reply(self, peer: str, msg: Any) -> None:
         if isinstance(msg, MatchReply):
             self.core.match_reply(msg)
             self._flush()
+        elif self.answers is not None and isinstance(msg, self.RECONCILE.get(peer, ())):
+            self.answers[peer] = msg
+            if len(self.answers) == len(self.RECONCILE):
+                a, self.answers = self.answers, None
+                self.core.reconcile(a["tokenizer"], a["executor"], a["kv_manager"])
+                deferred, self.deferred = self.deferred, []
+                for m in deferred:
+                    self.core.handle(m)
+                self._flush()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
         if name == "kv_manager":  # the executor's KV outlives it: its successor rebuilds
@@ -69,6 +92,8 @@ class SchedulerActor(Actor):
         self._flush()
 
     def on_peer_back(self, name: str) -> None:
+        if self.answers is not None and name in self.RECONCILE and name not in self.answers:
+            self.send(name, Reconcile())  # the first ask died with the peer's predecessor
         if name == "kv_manager":
             self.core.kv_back(executor_alive="executor" not in self.down)
             self._flush()
@@ -94,6 +119,8 @@ class SchedulerActor(Actor):
                 )
                 return
             core.submit(msg)
+        elif self.answers is not None and not isinstance(msg, MetricsQuery):
+            self.deferred.append(msg)  # handled once reconciled
         elif core.handle(msg):
             if isinstance(msg, BlocksFreed) or (isinstance(msg, AdmitResult) and msg.ok):
                 self.metrics.kv(msg.in_use, msg.num_blocks)

@@ -20,6 +20,8 @@ Inputs, each may append to the outbox and logs its events:
     ``match_reply(MatchReply)`` (from the KV manager);
     ``request_done(RequestDone)``, ``prefill_done(PrefillDone)`` (from the executor);
     ``reset(reason)`` (an actor died: fail every request, start empty);
+    ``reconcile(LiveRequests, ExecutorHeld, KVHeld)`` (a restarted scheduler rebuilds its state
+    from its peers' answers; reconcile.py);
     ``kv_lost(reason)``, ``kv_back(executor_alive)``, ``kv_rebuilt(KVRebuilt)`` (the KV manager
     died and its successor rebuilds its pool: running requests go on; recovery.py);
     ``schedule()`` (offer the next request if nothing blocks; the inputs call it themselves).
@@ -44,6 +46,7 @@ from actors.scheduler.admission import AdmissionMixin
 from actors.scheduler.base import AdmissionState
 from actors.scheduler.preemption import PreemptionMixin
 from actors.scheduler.queue import make_queue
+from actors.scheduler.reconcile import ReconcileMixin
 from actors.scheduler.recovery import RecoveryMixin
 from actors.scheduler.state import SchedRequest, Status
 from messages import executor as xm
@@ -64,7 +67,7 @@ from messages.scheduler import (
 __all__ = ["AdmissionState", "SchedulerCore"]
 
 
-class SchedulerCore(RecoveryMixin, AdmissionMixin, PreemptionMixin):
+class SchedulerCore(RecoveryMixin, ReconcileMixin, AdmissionMixin, PreemptionMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,
