@@ -143,12 +143,16 @@ class TokenizerService(ResumingMixin, Actor):
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
         rid = msg.request_id or uuid.uuid4().hex
         if self.down:
-            self._refuse(
-                ident,
-                rid,
-                ErrorCode.ACTOR_DEAD,
-                f"{', '.join(sorted(self.down))} down; retry when it is back",
+            why = f"{', '.join(sorted(self.down))} down; retry when it is back"
+            self.log.info(
+                "client.rejected",
+                request_id=None,
+                client_request_id=rid,
+                code=ErrorCode.ACTOR_DEAD,
+                field=None,
+                reason=why,
             )
+            self._refuse(ident, rid, ErrorCode.ACTOR_DEAD, why)
             return
         internal = self.clients.open(ident, rid)
         if internal is None:
