@@ -73,8 +73,17 @@ class LlamaFamilyModel:
         if head is None or spec.tie_word_embeddings:
             head = self.embed
         pack = packing_enabled(device, self.embed.dtype)
+        # bfloat16 weights: the residual stream, the norms and the LM head stay float32 (the
+        # linears and attention run in bfloat16): bfloat16's 8-bit mantissa in the residual
+        # sums and the logits is most of the drift from float32 (docs/benchmarks/bf16-quality)
+        self.mixed = self.embed.dtype == torch.bfloat16
+        if self.mixed:
+            head = head.float()
+            self.norm = self.norm.float()
+            pack = packing_enabled(device, torch.float32)
         # tied: the embedding keeps the plain weight resident anyway, so lone decodes use it
         self.lm_head = Linear(head, None, pack, keep_plain=head is self.embed)
+        pack = packing_enabled(device, self.embed.dtype)
         layer_bytes = sum(
             t.numel() * t.element_size()
             for n, t in weights.items()
@@ -84,6 +93,9 @@ class LlamaFamilyModel:
         self.layers = [
             _Layer(weights, f"model.layers.{i}.", pack, plain) for i in range(spec.num_layers)
         ]
+        if self.mixed:
+            for ly in self.layers:
+                ly.ln_in, ly.ln_post = ly.ln_in.float(), ly.ln_post.float()
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
@@ -148,10 +160,13 @@ class LlamaFamilyModel:
         d = spec.head_dim
         nh, nkv = spec.num_heads, spec.num_kv_heads
         x = F.embedding(input_ids, self.embed)
+        lo = x.dtype  # the linears' dtype; the residual stream x is float32 when mixed
+        if self.mixed:
+            x = x.float()
         cos = self.cos[positions][:, None, :]
         sin = self.sin_signed[positions][:, None, :]
         for i, ly in enumerate(self.layers):
-            h = rms_norm(x, ly.ln_in, eps)
+            h = rms_norm(x, ly.ln_in, eps).to(lo)
             qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
@@ -167,7 +182,7 @@ class LlamaFamilyModel:
             for r in range(0, t, TILE_ROWS):
                 xs = x[r : r + TILE_ROWS]  # a view: the adds below write into x
                 xs += ly.o(attn[r : r + TILE_ROWS])
-                gate, up = ly.gate_up(rms_norm(xs, ly.ln_post, eps)).chunk(2, dim=-1)
+                gate, up = ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo)).chunk(2, dim=-1)
                 xs += ly.down(F.silu(gate).mul_(up))
         h = rms_norm(x[logit_rows], self.norm, eps)
         return self.lm_head(h).float()
