@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -61,6 +62,11 @@ class ExecutorActor(RecoveryMixin, Actor):
         self.wake = trio.Event()
         self.steps = 0
         self._init_recovery()
+        # where a step runs: trio's worker thread, or the main thread (gpu/main_thread.py,
+        # set by the runner)
+        self.run_step: Callable[[Callable[[], StepResult]], Awaitable[StepResult]] = (
+            trio.to_thread.run_sync
+        )
         self.lookahead = cfg.kv.lookahead_blocks * cfg.kv.block_size
         self.log.info(
             "executor.config",
@@ -93,7 +99,7 @@ class ExecutorActor(RecoveryMixin, Actor):
                 await self.wake.wait()
                 continue
             t1 = time.perf_counter()
-            result = await trio.to_thread.run_sync(self.ex.step)
+            result = await self.run_step(self.ex.step)
             t2 = time.perf_counter()
             self._publish(result)
             t3 = time.perf_counter()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shlex
 import sys
 import tempfile
@@ -167,7 +166,18 @@ def compare_rows(
     spec = load_spec(model)
     prompts, new = [j.prompt for j in jobs], jobs[0].max_tokens
     blocks = sum(-(-(len(p) + new) // 16) for p in prompts) + 64
-    ex = Executor(model, num_blocks=blocks, step_budget=2048, threads=2)
+    from actors.runtime.config import ExecutorConfig, SchedulerConfig
+
+    # the budgets the runtime runs with by default (a smaller one would slow this row down)
+    x, sc = ExecutorConfig(), SchedulerConfig()
+    ex = Executor(
+        model,
+        num_blocks=blocks,
+        chunk_cap=x.chunk_cap,
+        step_budget=x.step_budget,
+        max_batch_size=sc.max_batch_size,
+        threads=2,
+    )
     be.run_ours(ex, be.workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
     secs, outs, _ = be.run_ours(ex, prompts, new)
     n = sum(len(o) for o in outs)
@@ -209,9 +219,8 @@ def compare_rows(
 
 
 def main(argv: list[str]) -> int:
-    # Same OpenMP settings as the executor actor, for the in-process comparisons (set before
-    # torch loads).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The in-process comparisons run on this main thread with OpenMP's default wait policy,
+    # as the executor actor's steps do (gpu/main_thread.py).
     a = _args(list(argv))
     a.out = a.out or f"bench-out/{a.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     vocab, context = 32000, 4096

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import signal
+import threading
 from typing import Any
 
 import trio
@@ -61,10 +63,9 @@ def build_actor(name: str, cfg: RuntimeConfig) -> Any:
         threads = str(cfg.executor.threads or len(os.sched_getaffinity(0)))
         os.environ.setdefault("OMP_NUM_THREADS", threads)
         os.environ.setdefault("MKL_NUM_THREADS", threads)
-        # Sleep at OpenMP barriers instead of spinning: the other actors share these cores, and a
-        # spinning team lost 35-40% of W1 pipeline throughput to them (measured: 220 tok/s with
-        # OMP_WAIT_POLICY=ACTIVE, 340-360 unset, 365-380 PASSIVE, bench model on 2 cores).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # OpenMP's default wait policy (spin briefly at barriers, then sleep): its steps run on
+        # the main thread (gpu/main_thread.py). ACTIVE (spin forever) loses a third of W1 to the
+        # other actors; PASSIVE (sleep at once) a fifth of the forward's speed.
         from gpu.actor import ExecutorActor
 
         return ExecutorActor(cfg)
@@ -87,6 +88,58 @@ async def _serve(actor: Any) -> None:
                 break
 
 
+def _serve_off_main(actor: Any) -> None:
+    """The executor: trio in a thread of its own, the steps on the main thread (see
+    gpu/main_thread.py); SIGTERM/SIGINT reach the main thread and stop trio."""
+    from gpu.main_thread import MainThreadSteps
+
+    steps = MainThreadSteps()
+    actor.run_step = steps.run
+    stopped = threading.Event()
+    stop: dict[str, Any] = {}
+    failure: list[BaseException] = []
+
+    async def serve() -> None:
+        log = get_logger()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            log.info("actor.ready", pid=os.getpid())
+
+            def on_signal(sig: int) -> None:
+                log.info("actor.stopping", signal=signal.Signals(sig).name)
+                nursery.cancel_scope.cancel()
+
+            stop["token"], stop["fn"] = trio.lowlevel.current_trio_token(), on_signal
+            await trio.sleep_forever()
+
+    def trio_thread() -> None:
+        try:
+            trio.run(serve)
+        except BaseException as e:  # re-raised on the main thread
+            failure.append(e)
+        finally:
+            stopped.set()
+
+    def handler(sig: int, frame: Any) -> None:
+        if "token" in stop:
+            try:
+                stop["token"].run_sync_soon(stop["fn"], sig)
+            except trio.RunFinishedError:
+                pass
+        else:
+            stopped.set()  # not serving yet
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    ctx = contextvars.copy_context()  # the events' bound actor name, in trio's thread too
+    thread = threading.Thread(target=ctx.run, args=(trio_thread,), name="trio", daemon=True)
+    thread.start()
+    steps.serve(stopped)
+    thread.join(timeout=10)
+    if failure:
+        raise failure[0]
+
+
 def run_actor(name: str, cfg: RuntimeConfig) -> int:
     """Serve ``name`` until SIGTERM/SIGINT. Events go to stdout and RUN_DIR/events/NAME.jsonl."""
     cfg.resolve()
@@ -97,6 +150,9 @@ def run_actor(name: str, cfg: RuntimeConfig) -> int:
     except Exception as e:
         log.exception("actor.failed_to_start", error=str(e))
         return 2
-    trio.run(_serve, actor)
+    if name == "executor":
+        _serve_off_main(actor)
+    else:
+        trio.run(_serve, actor)
     log.info("actor.stopped")
     return 0
