@@ -319,3 +319,18 @@ def test_a_restarted_scheduler_reconciles_from_its_peers_nothing_twice_nothing_f
     )
     finish = [m for p, m in core.take_outbox() if isinstance(m, km.Finish)]
     assert [m.request_id for m in finish] == ["a"]
+
+
+def test_a_submit_delivered_after_its_reconciliation_is_not_a_second_request():
+    from messages.scheduler import ExecutorHeld, KVHeld, LiveRequests
+
+    core, _ = make()
+    sub = Submit(request_id="r", prompt_ids=[1, 2], params=SamplingParams(max_tokens=4), arrival=0)
+    core.reconcile(
+        LiveRequests(requests=[sub]), ExecutorHeld(running=[], ended=[]), KVHeld(allocations=[])
+    )
+    sent(core)
+    core.submit(sub)  # the copy that went to the dead scheduler, delivered to its successor
+    assert not sent(core, "tokenizer") and list(core.requests) == ["r"]
+    core.submit(Submit(request_id="s", prompt_ids=[3], params=SamplingParams(), arrival=0))
+    assert "s" in core.requests

@@ -106,8 +106,13 @@ class SchedulerActor(Actor):
 
     def handle(self, ident: bytes, msg: Any) -> None:
         core = self.core
+        if isinstance(msg, Submit) and self.answers is not None:
+            # reconciling: the front door's answer may hold this very request (it was sent to
+            # the dead scheduler and delivered here too); the core drops such a second copy
+            self.deferred.append(msg)
+            return
         if isinstance(msg, Submit):
-            if not self.is_ready():
+            if not self.is_ready() and msg.request_id not in core.reconciled_ids:
                 down = ", ".join(sorted(self.down)) or "an actor restarted"
                 self.send(
                     "tokenizer",

@@ -48,6 +48,7 @@ class CoreBase(abc.ABC):
         self.admitting: SchedRequest | None = None  # set while ADMITTING
         self.frees_in_flight = 0  # kv_finish/kv_release sent, their ``freed`` not yet back
         self.preempting: str | None = None  # one preemption at a time
+        self.reconciled_ids: set[str] = set()  # requests a restarted scheduler reconciled
         self.kv_down = False  # the KV manager died and no successor answers yet (recovery.py)
         self.kv_rebuilding = False  # its successor is rebuilding its pool from kv_rebuild
         self.outbox: list[Outgoing] = []

@@ -80,6 +80,11 @@ class SchedulerCore(RecoveryMixin, ReconcileMixin, AdmissionMixin, PreemptionMix
     # ----------------------------------------------------------------- arrival
     def submit(self, msg: Submit) -> None:
         rid = msg.request_id
+        if rid in self.reconciled_ids and not msg.resume_reason:
+            # its submit reached the dead scheduler's successor as well as its reconciliation
+            self.reconciled_ids.discard(rid)
+            self.log.info("request.submit_reconciled", request_id=rid)
+            return
         if rid in self.requests:
             self.log.warning("request.duplicate", request_id=rid)
             dup = tm.RequestFailed(

@@ -61,6 +61,7 @@ class ReconcileMixin(CoreBase):
                 self.running[rid] = req
                 self._send("executor", xm.Stop(request_id=rid, attempt=r.attempt, reason=REASON))
                 n["stopped"] += 1
+        self.reconciled_ids = set(wanted)  # a second copy of their submit is dropped
         for rid, s in wanted.items():
             if rid in self.requests:
                 continue
