@@ -104,8 +104,11 @@ def chaos_run(tiny_model, tmp_path, total: int, clients: int, kill_every: float)
     assert set(kinds) <= {"stop", "length", "abort", "aborted", "overloaded", "refused"}, kinds
     assert set(ends) == set(outcomes) and max(ends.values()) == 1  # each ended exactly once
     # token for token what the calm run gave, for every request finished in both
+    # (each run refuses a different few hundred as overloaded, so the overlap is what the
+    # comparison can cover: hundreds of streams, never nothing)
+    assert len(chaos["tokens"]) > total // 4, "too few requests finished under the kills"
     both = [r for r in chaos["tokens"] if r in calm["tokens"]]
-    assert len(both) > total // 4
+    assert len(both) > total // 10
     differ = [r for r in both if chaos["tokens"][r] != calm["tokens"][r]]
     assert not differ, differ[:5]
     s = chaos["stats"]  # soak() waited for: check passes, 0 blocks in use, 0 running
