@@ -160,16 +160,11 @@ async def _sse_messages(lines, want: int) -> list[tuple[str, list[str]]]:
 async def test_sse_stream_over_hypercorn_sends_backlog_then_new_lines(run_dir):
     port = _free_port()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, run_dir, "127.0.0.1", port, "k3y")
+        with trio.fail_after(20):
+            await nursery.start(serve, run_dir, "127.0.0.1", port, "k3y")  # listening
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=10) as http:
-            with trio.fail_after(20):
-                while True:
-                    try:
-                        r = await http.get("/dashboard/events")
-                        break
-                    except httpx.ConnectError:
-                        await trio.sleep(0.05)
+            r = await http.get("/dashboard/events")
             assert r.status_code == 401
             http.cookies.set(COOKIE, cookie_token("k3y"))  # what the page's EventSource sends
             async with http.stream("GET", "/dashboard/events") as resp:

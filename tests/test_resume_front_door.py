@@ -15,6 +15,7 @@ from actors.client import ConnectionLost, SyncClient, open_client
 from messages import client as cm
 from messages import executor as xm
 from tests.runtime import kv_stats, query, start_runtime, wait_until
+from tests.test_resume import run_all as stream_all
 
 SPECS = [
     {
@@ -28,27 +29,6 @@ SPECS = [
 ]
 SYNC = {"prompt_ids": [8, 6, 4, 2], "max_tokens": 48, "ignore_eos": True, "seed": 3}
 SYNC["temperature"] = 0.7
-
-
-async def stream_all(rt, specs, on_token=None) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    async with open_client(rt.endpoint) as client:
-
-        async def one(spec: dict) -> None:
-            ids: list[int] = []
-            async for msg in client.stream(**spec):
-                if isinstance(msg, cm.Delta):
-                    ids.extend(msg.token_ids)
-                    if on_token is not None:
-                        on_token()
-                elif isinstance(msg, cm.Final):
-                    assert msg.usage.completion_tokens == len(ids)
-            out[spec["request_id"]] = ids
-
-        async with trio.open_nursery() as nursery:
-            for spec in specs:
-                nursery.start_soon(one, spec)
-    return out
 
 
 def sync_stream(endpoint: str, seen: list[int]) -> list[int]:

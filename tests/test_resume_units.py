@@ -87,23 +87,27 @@ def test_a_primed_stream_continues_the_text_exactly(tok, cut):
     assert ending is not None and s.final("length", None, 9.0).usage.completion_tokens == len(ids)
 
 
+def resumed_submit() -> Submit:
+    """A request whose attempt died with the executor after it streamed 2 tokens."""
+    params = SamplingParams(max_tokens=8, seed=5, temperature=1.0)
+    return Submit(
+        request_id="old",
+        prompt_ids=[1, 2, 3],
+        params=params,
+        arrival=0.0,
+        output_ids=[7, 8],
+        resumes=1,
+        resume_reason="executor died",
+    )
+
+
 def test_a_resumed_submit_runs_like_a_preempted_request():
     core, _ = make(max_waiting=1)
     params = SamplingParams(max_tokens=8, seed=5, temperature=1.0)
     core.submit(Submit(request_id="new", prompt_ids=[1, 2], params=params, arrival=0.0))
     sent(core)
     with capture_logs() as logs:
-        core.submit(
-            Submit(
-                request_id="old",
-                prompt_ids=[1, 2, 3],
-                params=params,
-                arrival=0.0,
-                output_ids=[7, 8],
-                resumes=1,
-                resume_reason="executor died",
-            )
-        )
+        core.submit(resumed_submit())
     # the queue was full (max_waiting 1), but a resumed request is never refused as overloaded
     assert not [m for m in sent(core, "tokenizer") if isinstance(m, tm.RequestFailed)]
     ev = [e for e in logs if e["event"] == "request.resumed"]
@@ -114,18 +118,7 @@ def test_a_resumed_submit_runs_like_a_preempted_request():
 
 def test_resumed_request_is_admitted_with_its_tokens_and_output_offset():
     core, _ = make()
-    params = SamplingParams(max_tokens=8, seed=5, temperature=1.0)
-    core.submit(
-        Submit(
-            request_id="old",
-            prompt_ids=[1, 2, 3],
-            params=params,
-            arrival=0.0,
-            output_ids=[7, 8],
-            resumes=1,
-            resume_reason="executor died",
-        )
-    )
+    core.submit(resumed_submit())
     asks = sent(core, "kv_manager")
     assert asks[-1].token_ids == [1, 2, 3, 7, 8]
     admit_ok(core, "old")

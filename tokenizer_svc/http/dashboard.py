@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import anyio
+import trio
 from starlette.requests import Request
 from starlette.responses import (
     FileResponse,
@@ -222,10 +223,15 @@ def dashboard_routes(
 
 
 async def serve(
-    run_dir: str | Path, host: str = "127.0.0.1", port: int = 8001, api_key: str | None = None
+    run_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    api_key: str | None = None,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve only the dashboard (for a finished or replayed run's directory) under hypercorn's
-    trio worker, until cancelled."""
+    trio worker, until cancelled; ready (``nursery.start``) once it listens."""
     from hypercorn.config import Config
     from hypercorn.trio import serve as hyper_serve
     from starlette.applications import Starlette
@@ -235,7 +241,7 @@ async def serve(
     config.accesslog = None
     config.graceful_timeout = 1.0
     app = Starlette(routes=dashboard_routes(run_dir, api_key))
-    await hyper_serve(app, config, mode="asgi")  # type: ignore[arg-type]
+    await hyper_serve(app, config, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:
