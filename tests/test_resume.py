@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 
 import pytest
 import trio
@@ -18,8 +19,9 @@ from messages import client as cm
 from tests.runtime import kv_stats, start_runtime, wait_until
 
 N = 32
-# chunked prefill of long prompts (several steps each), a batch cap that keeps some waiting
-FLAGS = ("--chunk-cap", "32", "--max-batch-size", "12", "--num-blocks", "160")
+# chunked prefill of long prompts (several steps each), a batch cap that keeps some waiting,
+# small blocks: a running request needs another every 4 tokens (the KV manager's death stalls it)
+FLAGS = ("--chunk-cap", "32", "--max-batch-size", "4", "--block-size", "4", "--num-blocks", "640")
 
 
 def workload(seed: int) -> list[dict]:
@@ -33,6 +35,32 @@ def workload(seed: int) -> list[dict]:
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(90, 160) if long else 8)]
         reqs.append({"prompt_ids": prompt, "request_id": f"r{i}", **params})
     return reqs
+
+
+class Steps:
+    """Counts the ``executor.step`` lines of the executor's event log, reading only what is new."""
+
+    def __init__(self, path) -> None:
+        self.path, self.offset, self.n = path, 0, 0
+        self.killed = False
+
+    def count(self) -> int:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # whole lines only
+        self.n += chunk[:end].count(b'"event": "executor.step"')
+        self.offset += end
+        return self.n
+
+    def kill_at(self, step: int, pid: int, done: threading.Event) -> None:
+        """SIGKILL ``pid`` once the log shows ``step`` steps (unless ``done`` is set first)."""
+        self.killed = False
+        while not done.wait(0.002):
+            if self.count() >= step:
+                os.kill(pid, signal.SIGKILL)
+                self.killed = True
+                return
 
 
 async def run_all(rt, reqs: list[dict], on_token=None) -> dict[str, list[int]]:
@@ -65,40 +93,51 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
     # so a near-tie (seed 1 has a 4e-5 gap) can flip a greedy token with or without any crash.
     seed = {"executor": 6, "kv_manager": 8, "scheduler": 3}[victim]
     reqs = workload(seed)
-    total = sum(r["max_tokens"] for r in reqs)
-    kill_after = random.Random(seed).randint(total // 8, total // 3)
-    if victim == "kv_manager":
-        # early, while the running requests still need blocks: the tiny model finishes in a
-        # second the requests that need no more, so later there would be nothing to rebuild
-        kill_after = random.Random(seed).randint(N // 4, N // 2)
     with start_runtime(tiny_model, tmp_path / "rt", *FLAGS) as rt:
+        steps = Steps(rt.run_dir / "events" / "executor.jsonl")
         reference = await run_all(rt, reqs)  # uninterrupted
         assert all(len(reference[r["request_id"]]) == r["max_tokens"] for r in reqs)
-        streamed = 0
+        # The kill comes after a random number of the executor's steps, counted from its own
+        # log: a client's tokens can lag far behind on a busy machine (the tiny model ends the
+        # whole workload in well under a second), so a count of streamed tokens could land
+        # after everything ran.
+        took = steps.count()
+        # (the second run is shorter: its prompts are in the prefix cache)
+        kill_at = took + random.Random(seed).randint(took // 16, took // 5)
+        if victim == "kv_manager":
+            # early, while the running requests still need blocks: the tiny model finishes in a
+            # second the requests that need no more, so later there would be nothing to rebuild
+            kill_at = took + random.Random(seed).randint(3, 6)
         old_pid = rt.pid_of(victim)
 
-        def count() -> None:
-            nonlocal streamed
-            streamed += 1
-            if streamed == kill_after:
-                os.kill(old_pid, signal.SIGKILL)
-
-        with trio.fail_after(60):
-            resumed = await run_all(
-                rt, [dict(r, request_id=r["request_id"] + "b") for r in reqs], count
-            )
-        assert streamed >= kill_after, "the kill never happened"
-        assert rt.pid_of(victim) != old_pid  # it was restarted
+        # a thread of its own: behind the client's backlog of tokens, a trio task would wake late
+        done = threading.Event()
+        killer = threading.Thread(target=steps.kill_at, args=(kill_at, old_pid, done))
+        killer.start()
+        try:
+            with trio.fail_after(60):
+                resumed = await run_all(
+                    rt, [dict(r, request_id=r["request_id"] + "b") for r in reqs]
+                )
+        finally:
+            done.set()
+            killer.join()
+        assert steps.killed, f"the kill never happened: {steps.count() - took} steps"
+        # restarted: the streams can all end first (a scheduler's death stops no running
+        # request, and a slow client reads its tokens well after the executor made them)
+        await wait_until(lambda: rt.pid_of(victim) != old_pid, timeout=30)
         for r in reqs:
             rid = r["request_id"]
             assert resumed[rid + "b"] == reference[rid], f"{rid} differs after the {victim} died"
         events = rt.events("request.resumed")
         if victim == "kv_manager":  # the executor's KV outlived it: the successor rebuilt
             assert not events, events[:3]  # nothing recomputed, nothing resubmitted
-            rebuilt = rt.events("kv.rebuilt")
+            rebuilt = await wait_until(lambda: rt.events("kv.rebuilt"), timeout=30)
             assert len(rebuilt) == 1 and rebuilt[0]["from_executor"] > 0, rebuilt
         elif victim == "scheduler":  # its successor reconciled from its peers' answers
+            await wait_until(lambda: len(rt.events("scheduler.reconciled")) == 2, timeout=30)
             first, again = rt.events("scheduler.reconciled")  # at the start, after the restart
+            events = rt.events("request.resumed")
             assert not any(first[k] for k in ("running", "queued", "freed")), first
             assert again["running"] + again["queued"] + again["freed"] > 0, again
             # the running requests went on: only attempts the crash cut short are recomputed
