@@ -42,9 +42,10 @@ class Wire:
         return True
 
 
-def endpoint() -> tuple[ClientEndpoint, Wire, list[list[str]], Log]:
+def endpoint(on_leaving=lambda: None) -> tuple[ClientEndpoint, Wire, list[list[str]], Log]:
     wire, gone, log = Wire(), [], Log()
-    return ClientEndpoint(wire.try_send, gone.append, "boot1234", log), wire, gone, log
+    ep = ClientEndpoint(wire.try_send, gone.append, "boot1234", log, on_leaving)
+    return ep, wire, gone, log
 
 
 def test_ids_are_scoped_to_the_connection():
@@ -63,14 +64,24 @@ def test_ids_are_scoped_to_the_connection():
 
 
 async def test_a_client_that_is_gone_hands_back_its_requests(autojump_clock):
-    ep, wire, gone, log = endpoint()
+    woken = []
+    ep, wire, gone, log = endpoint(lambda: woken.append(True))
     ids = [ep.open(b"A", "1"), ep.open(b"A", "2")]
     ep.open(b"B", "1")
     wire.gone.add(b"A")
     ep.send(b"A", Ping(nonce=1))
-    assert gone == [ids]  # A's requests, and only A's
-    assert ep.lookup(b"A", "1") is None and ep.in_flight() == 1
-    assert log.events == [("client.disconnected", {"client": "c1", "requests": 2})]
+    # only leaving until the reader settles: a cancel A sent before it went may still be unread,
+    # and must find its request (else it would be aborted as a disconnect)
+    assert woken == [True] and not gone and not log.events
+    assert ep.lookup(b"A", "1") == ids[0]
+    ep.send(b"A", Ping(nonce=2))  # nothing more is sent to it, and it is reported once
+    ep.close(b"A", "1")  # the cancel read meanwhile ended request 1
+    ep.settle()
+    assert gone == [ids[1:]]  # A's request left, and only A's
+    assert ep.lookup(b"A", "2") is None and ep.in_flight() == 1
+    assert log.events == [("client.disconnected", {"client": "c1", "requests": 1})]
+    ep.settle()
+    assert gone == [ids[1:]] and woken == [True]
 
 
 async def test_frames_wait_in_order_while_a_client_is_full(autojump_clock):
@@ -104,5 +115,6 @@ async def test_idle_clients_with_requests_are_probed_and_the_others_forgotten(au
         assert b"B" not in ep.clients and b"B" not in wire.sent
         wire.gone.add(b"A")  # A disconnects: the next probe finds out
         await trio.sleep(PROBE_S * 1.5)
+        ep.settle()  # (the reader, once it read what A sent)
         assert gone and gone[0][0].startswith("1@") and b"A" not in ep.clients
         nursery.cancel_scope.cancel()

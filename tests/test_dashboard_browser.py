@@ -181,8 +181,12 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
                         await trio.sleep(0.05)
                 await run(c, "dash-e", shared + list(range(400, 420)), 8)
                 await run(c, "dash-f", shared + list(range(420, 440)), 8)
-            await trio.sleep(1.5)  # the page's poll + render
-            obs: dict[str, list[Any]] = await _dom(drv, "return window.__seen")
+            with trio.fail_after(10):  # the page's poll + render: each request seen finished
+                while True:
+                    obs: dict[str, list[Any]] = await _dom(drv, "return window.__seen")
+                    if all(any(o["table"] == "finished" for o in obs.get(i, [])) for i in results):
+                        break
+                    await trio.sleep(0.1)
 
             refusals = {
                 i: {

@@ -44,6 +44,8 @@ from tokenizer_svc.resume import Resume, already_ended, check_resume_ids
 from tokenizer_svc.resuming import Live, ResumingMixin
 from tokenizer_svc.streams import Stream, completed
 
+SETTLE_EVERY = 1024  # client frames read, at most, before clients found gone are settled
+
 
 class TokenizerService(ResumingMixin, Actor):
     name = "tokenizer"
@@ -63,7 +65,7 @@ class TokenizerService(ResumingMixin, Actor):
         self.client_decoder: Decoder[Any] = Decoder(FromClient)
         self.client_sock: ZSocket | None = None
         self.clients = ClientEndpoint(
-            self._send_to_client, self._clients_gone, self.boot_id, self.log
+            self._send_to_client, self._clients_gone, self.boot_id, self.log, self._wake_reader
         )
         self.live: dict[str, Live] = {}  # by runtime-wide id
 
@@ -100,18 +102,32 @@ class TokenizerService(ResumingMixin, Actor):
 
     # ------------------------------------------------------------ client side
     async def _client_loop(self) -> None:
-        assert self.client_sock is not None
+        """Read every frame that waits (yielding between them), then settle the clients found
+        gone meanwhile: a cancel a client sent before it went is handled as a cancel."""
+        sock = self.client_sock
+        assert sock is not None
         while True:
-            frames = await self.client_sock.recv()
-            self.dispatch(
-                frames,
-                self.client_decoder,
-                self.clients.send,
-                self._welcome,
-                self._on_client,
-                socket="client",
-            )
-            await trio.sleep(0)
+            await sock.wait_readable()
+            # bounded: the ROUTER reads its peers in turn, so a gone client's frames still waiting
+            # come up within one read per connection; a socket never empty still settles
+            for _ in range(SETTLE_EVERY):
+                frames = sock.recv_nowait()
+                if frames is None:
+                    break
+                self.dispatch(
+                    frames,
+                    self.client_decoder,
+                    self.clients.send,
+                    self._welcome,
+                    self._on_client,
+                    socket="client",
+                )
+                await trio.sleep(0)
+            self.clients.settle()
+
+    def _wake_reader(self) -> None:
+        if self.client_sock is not None:
+            self.client_sock.wake()
 
     def _welcome(self, ident: bytes, msg: Hello) -> None:
         refusal = self.version_refusal(msg, socket="client")

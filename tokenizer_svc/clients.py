@@ -5,7 +5,11 @@ through one ``Outbox`` keyed by that identity (sent at once, or queued in order 
 frames while its queue is full). A client is gone when a send to it fails (EHOSTUNREACH:
 ROUTER_MANDATORY); an idle client with requests in flight is probed (an unsolicited ``pong``)
 so a disconnect is noticed even while its requests wait. When a client is gone, ``on_gone`` gets
-the runtime-wide ids of the requests it left.
+the runtime-wide ids of the requests it left, but only at ``settle``: the ROUTER drops a peer's
+route as soon as it disconnects, while frames it sent before (a cancel) may still wait unread. So
+a gone client is first only *leaving* (nothing more is sent to it, its ids still resolve, and
+``on_leaving`` asks the reader to drain the socket), and the reader calls ``settle`` once it has
+read everything that was waiting.
 
 Request ids are scoped to the connection: ``open`` maps the client's own ``request_id`` to a
 runtime-wide id (``messages.tokenizer.scoped_request_id``) that no other request of any connection
@@ -37,6 +41,7 @@ class Client:
     label: str  # "c<n>": names the connection in events
     requests: dict[str, str] = field(default_factory=dict)  # client's id -> runtime-wide id
     last_send: float = 0.0  # trio clock
+    leaving: bool = False  # gone, until ``settle`` (its frames still waiting are read first)
 
 
 class ClientEndpoint:
@@ -46,10 +51,13 @@ class ClientEndpoint:
         on_gone: Callable[[list[str]], None],
         boot_id: str,
         log: Any,
+        on_leaving: Callable[[], None] = lambda: None,
     ) -> None:
         self.outbox: Outbox[bytes] = Outbox(try_send, on_gone=self._gone)
         self.clients: dict[bytes, Client] = {}
         self._on_gone = on_gone
+        self._on_leaving = on_leaving
+        self._leaving: list[bytes] = []
         self._boot = boot_id[:6]
         self._connections = itertools.count(1)
         self._requests = itertools.count(1)
@@ -103,15 +111,29 @@ class ClientEndpoint:
         """Send ``msg`` to the client (queued behind earlier frames if its queue is full)."""
         client = self.clients.get(ident)
         if client is not None:
+            if client.leaving:
+                return
             client.last_send = trio.current_time()
         self.outbox.send(ident, encode(msg))
 
     def _gone(self, ident: bytes) -> None:
-        client = self.clients.pop(ident, None)
-        if client is None:
+        client = self.clients.get(ident)
+        if client is None or client.leaving:
             return
-        self.log.info("client.disconnected", client=client.label, requests=len(client.requests))
-        self._on_gone(list(client.requests.values()))
+        client.leaving = True
+        self._leaving.append(ident)
+        self._on_leaving()
+
+    def settle(self) -> None:
+        """Forget the clients found gone; ``on_gone`` gets the requests each still had. Call it
+        once the frames they sent before going are read (their cancels are handled as such)."""
+        leaving, self._leaving = self._leaving, []
+        for ident in leaving:
+            client = self.clients.pop(ident, None)
+            if client is None:
+                continue
+            self.log.info("client.disconnected", client=client.label, requests=len(client.requests))
+            self._on_gone(list(client.requests.values()))
 
     async def probe_loop(self, probe: msgspec.Struct) -> None:
         """Forget clients with nothing in flight; send ``probe`` to the others that were sent
@@ -120,6 +142,8 @@ class ClientEndpoint:
             await trio.sleep(PROBE_S)
             now = trio.current_time()
             for ident, client in list(self.clients.items()):
+                if client.leaving:
+                    continue
                 if not client.requests:
                     if not self.outbox.pending(ident):
                         self.clients.pop(ident, None)

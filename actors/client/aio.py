@@ -10,6 +10,7 @@ import trio
 import zmq
 
 from actors.client.core import (
+    CLOSE_LINGER_MS,
     MAX_RESUMES,
     READY_POLL_S,
     READY_TIMEOUT_S,
@@ -235,4 +236,4 @@ async def open_client(
             raise group.exceptions[0] from None
         raise
     finally:
-        sock.close()
+        sock.close(linger_ms=CLOSE_LINGER_MS)  # a cancel sent just before still goes out

@@ -27,6 +27,7 @@ from messages.tokenizer import ChatMessage, Generate
 READY_TIMEOUT_S = 60.0  # how long a handshake waits for a runtime that does not serve yet
 READY_POLL_S = 0.1
 MAX_RESUMES = 5  # a stream resumed after this many lost connections fails instead
+CLOSE_LINGER_MS = 500  # a closing client's frames already sent (a cancel) may still go out
 
 
 class RequestError(RuntimeError):

@@ -10,6 +10,7 @@ import zmq
 
 from actors.client.aio import connect
 from actors.client.core import (
+    CLOSE_LINGER_MS,
     MAX_RESUMES,
     READY_POLL_S,
     READY_TIMEOUT_S,
@@ -79,7 +80,7 @@ class SyncClient:
         raise self.watch.not_ready(self.ready_timeout)
 
     def __exit__(self, *exc: Any) -> None:
-        self._zsock.close()
+        self._zsock.close(linger_ms=CLOSE_LINGER_MS)  # a cancel sent just before still goes out
 
     def _recv(self) -> Any:
         """The next message. While a request is open, ping the server every ``probe_s``; a

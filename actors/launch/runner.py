@@ -24,7 +24,7 @@ from actors.runtime.events import configure, get_logger
 # scheduled late, handled the closed connection before the cancel queued ahead of it), 1 of 6
 # with only these two niced, 0 of 7 at nice 0. The tokenizer is never niced, for that reason.
 DEFAULT_ACTOR_NICE = 0
-NICED_ACTORS = ("scheduler", "kv_manager")
+NICED_ACTORS = ("scheduler", "kv_manager", "tokenizer")
 
 
 def _yield_cores_to_executor() -> None:

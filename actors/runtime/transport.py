@@ -87,8 +87,14 @@ class ZSocket:
             self._parked = False
 
     async def wait_readable(self) -> None:
-        """Return once a message can be received (for loops that drain with ``recv_nowait``)."""
+        """Return once a message can be received (for loops that drain with ``recv_nowait``),
+        or once ``wake`` is called."""
         await self._wait_in()
+
+    def wake(self) -> None:
+        """Make a reader parked in ``wait_readable`` (or ``recv``) look at the socket again."""
+        if self._parked:
+            self._wake.set()
 
     # ------------------------------------------------------------------- send
     def _after_send(self) -> None:
@@ -119,14 +125,15 @@ class ZSocket:
                 delay = min(delay * 2, 0.05)
         raise SendTimeout(f"send to {self.sock.getsockopt(zmq.LAST_ENDPOINT)!r} timed out")
 
-    def close(self) -> None:
-        """Close now. A task parked in ``recv`` gets ``trio.ClosedResourceError``."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close now. A task parked in ``recv`` gets ``trio.ClosedResourceError``. ``linger_ms``:
+        how long zmq's I/O thread may still deliver frames already sent (it never blocks here)."""
         if not self.closed:
             self.closed = True
             with contextlib.suppress(RuntimeError):  # outside trio there is no waiter to tell
                 trio.lowlevel.notify_closing(self._fd)
             self._wake.set()
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)
 
 
 def open_socket(
