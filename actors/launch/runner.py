@@ -13,33 +13,20 @@ import trio
 from actors.runtime.config import ACTORS, RuntimeConfig
 from actors.runtime.events import configure, get_logger
 
-# Niceness of the scheduler and the KV manager (``MINIRT_ACTOR_NICE``, e.g. 10; off by default).
-# The executor never waits on them (it asks for blocks ahead of need, see gpu/actor.py), so their
-# work is off its critical path; at equal priority their CPU time takes turns with the executor's
-# two threads on a 2-core machine (the pipeline delivered 79% of the executor alone). At nice 10
-# the kernel gives a competing executor thread ~10x their share, and they still run whenever the
-# executor's threads sleep between steps. Off by default until a race it exposes is fixed:
-# tests/test_e2e.py::test_abort_and_disconnect_free_every_block failed 2 of 3 runs with every
-# non-executor actor at nice 10 (a client's cancel reported as a disconnect: the front door,
-# scheduled late, handled the closed connection before the cancel queued ahead of it), 1 of 6
-# with only these two niced, 0 of 7 at nice 0. The tokenizer is never niced, for that reason.
-DEFAULT_ACTOR_NICE = 0
-NICED_ACTORS = ("scheduler", "kv_manager", "tokenizer")
-
-
-def _yield_cores_to_executor() -> None:
-    try:
-        nice = int(os.environ.get("MINIRT_ACTOR_NICE", DEFAULT_ACTOR_NICE))
-    except ValueError:
-        raise ValueError("MINIRT_ACTOR_NICE must be an integer") from None
-    if nice > 0 and hasattr(os, "nice"):
-        os.nice(nice)
+# ``--actor-nice N`` (``MINIRT_ACTOR_NICE``): the niceness of every actor but the executor. The
+# executor never waits on them (it asks for blocks ahead of need, see gpu/actor.py), so their work
+# is off its critical path; at equal priority their CPU time takes turns with the executor's two
+# threads on a 2-core machine. At nice 10 the kernel gives a competing executor thread ~10x their
+# share, and they still run whenever the executor's threads sleep between steps. (It used to
+# expose a race in the front door, a client's cancel handled as a disconnect when the front door
+# ran late: tokenizer_svc/clients.py now reads what a client sent before it is settled as gone.)
+NICED_ACTORS = ("tokenizer", "scheduler", "kv_manager", "http")
 
 
 def build_actor(name: str, cfg: RuntimeConfig) -> Any:
     """The actor object for ``name`` (imports only what that actor needs)."""
-    if name in NICED_ACTORS:
-        _yield_cores_to_executor()
+    if name in NICED_ACTORS and cfg.actor_nice > 0 and hasattr(os, "nice"):
+        os.nice(cfg.actor_nice)
     if name == "tokenizer":
         from tokenizer_svc.actor import TokenizerService
 

@@ -187,6 +187,13 @@ class RuntimeConfig:
     heartbeat_s: float = field(
         default=0.5, metadata=doc("ping peers this often; 3 silent heartbeats mean dead")
     )
+    actor_nice: int = field(
+        default=0,
+        metadata=doc(
+            "niceness of the scheduler, KV manager and front door processes: the executor's "
+            "threads go first when they compete for the cores (0: equal)"
+        ),
+    )
 
     def resolve(self) -> RuntimeConfig:
         """Fill empty endpoints with ipc sockets under the run dir; make the run dir absolute."""
