@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from actors.kv.reservation import grow_to
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
@@ -333,11 +334,12 @@ class ExecutorActor(RecoveryMixin, Actor):
                     ),
                 )
                 continue
-            # Grow ahead of need: the next step writes KV for prompt + outputs tokens.
+            # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
+            # what the request can still write (a full reservation holds that from the start).
             need = out.num_prompt_tokens + out.num_output_tokens
-            capacity = self.ex.capacity(rid)
-            if capacity < need + self.lookahead and fl.grow_asked < need + self.lookahead:
-                fl.grow_asked = need + self.lookahead
+            want = grow_to(need, self.lookahead, self.ex.kv_tokens_at_most(rid))
+            if self.ex.capacity(rid) < want and fl.grow_asked < want:
+                fl.grow_asked = want
                 if self.kv_down:
                     continue  # asked of the successor in kv_holding
                 self.send(

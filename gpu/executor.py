@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from actors.kv.reservation import kv_tokens_at_most
 from gpu import cpu_tuning, loader
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, pool_blocks
@@ -208,6 +209,14 @@ class Executor:
         """Tokens the request's block table can hold (KeyError if not in flight). O(1)."""
         req = self._prefilling.get(request_id) or self._decoding[request_id]
         return len(req.table) * self.block_size
+
+    def kv_tokens_at_most(self, request_id: str) -> int:
+        """The most tokens of K/V the request will ever hold (``reservation.kv_tokens_at_most``;
+        KeyError if not in flight). O(1)."""
+        req = self._prefilling.get(request_id) or self._decoding[request_id]
+        return kv_tokens_at_most(
+            len(req.prompt), req.params.max_tokens - req.prior, self.max_model_len
+        )
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (KeyError if not in flight)."""

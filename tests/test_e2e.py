@@ -177,7 +177,8 @@ async def test_stop_string_ends_request(runtime, tiny_model):
 
 @pytest.mark.deadline(240)
 async def test_small_pool_refuses_then_admits_with_evictions(tiny_model, tmp_path):
-    # 24 blocks of 16 = 384 tokens; each request reserves prompt + max_tokens up front.
+    # 24 blocks of 16 = 384 tokens; each request reserves prompt + max_tokens - 1 up front (the
+    # last token is never fed back) and is never grown past that.
     prompts = random_prompts(10, 60, 100, seed=11)
     with start_runtime(
         tiny_model, tmp_path / "rt", "--num-blocks", "24", "--kv-mode", "full"
@@ -185,6 +186,7 @@ async def test_small_pool_refuses_then_admits_with_evictions(tiny_model, tmp_pat
         results = await run_all(rt.endpoint, prompts)
         assert rt.events("admission.refused"), "the pool was never short"
         assert rt.events("kv.evicted"), "nothing was evicted"
+        assert not rt.events("kv.extended"), "a full reservation grew"
         expected = hf_greedy(tiny_model, prompts, MAX_NEW)
         assert [r.token_ids for r in results] == expected
         s = await wait_until(lambda: kv_stats(rt))

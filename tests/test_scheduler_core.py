@@ -74,11 +74,11 @@ def test_fcfs_admits_one_at_a_time_in_arrival_order():
     assert asks[0].request_id == "b"
 
 
-def test_full_mode_reserves_prompt_plus_max_tokens():
+def test_full_mode_reserves_prompt_plus_max_tokens_but_the_last():
     core, _ = make(mode="full")
     submit(core, "a", n=6, max_tokens=8)
     [ask] = sent(core, "kv_manager", km.Admit)
-    assert ask.reserve_tokens == 14
+    assert ask.reserve_tokens == 13  # the last generated token is never fed back: no K/V
 
 
 def test_refusal_waits_for_freed_blocks_then_retries():
@@ -206,7 +206,8 @@ def test_repeatedly_preempted_request_gets_a_full_reservation():
         )
     asks = sent(core, "kv_manager", km.Admit)
     assert asks[-1].attempt == 3
-    assert asks[-1].reserve_tokens == 8 + 6  # prompt+2 outputs, plus the 6 tokens still allowed
+    # prompt+2 outputs, plus the 6 tokens still allowed but the last (never fed back)
+    assert asks[-1].reserve_tokens == 8 + 5
 
 
 def test_kv_manager_death_keeps_running_requests_and_rebuilds_its_successor():

@@ -12,17 +12,17 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from actors.kv.reservation import grow_to, kv_tokens_at_most
 from actors.replay.loop import Loop
 from actors.replay.stepmodel import StepModel
 from gpu.requests import RequestState
 from gpu.step_plan import StepBudget, StepPlan, plan_step
 from messages import executor as xm
-from messages.common import SamplingParams
 from messages.kv import Grow
 from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
 
-_PARAMS = SamplingParams()  # the stand-in tokens are given, nothing is sampled
+NO_LIMIT = 1 << 62  # the model's length, unknown here
 
 
 class _Flight:
@@ -177,10 +177,12 @@ class SimExecutor:
             )
             send("scheduler", done)
             return
-        need = len(req.prompt) - req.prior + n_out + self.lookahead
-        if len(req.table) * self.bs < need and fl.grow_asked < need:
-            fl.grow_asked = need
-            send("kv_manager", Grow(request_id=rid, attempt=fl.attempt, total_tokens=need))
+        # (the recorded outputs already end where the model's length ended them)
+        at_most = kv_tokens_at_most(len(req.prompt), req.params.max_tokens - req.prior, NO_LIMIT)
+        want = grow_to(len(req.prompt) - req.prior + n_out, self.lookahead, at_most)
+        if len(req.table) * self.bs < want and fl.grow_asked < want:
+            fl.grow_asked = want
+            send("kv_manager", Grow(request_id=rid, attempt=fl.attempt, total_tokens=want))
 
     # -------------------------------------------------------------- inbound
     def _apply(self, msg: Any) -> None:
@@ -217,7 +219,7 @@ class SimExecutor:
             self.flight.pop(rid)
         prompt = list(msg.prompt_ids)
         self.prefilling[rid] = RequestState(
-            rid, prompt, _PARAMS, list(msg.block_table), msg.cached_tokens, 0, frozenset(),
+            rid, prompt, msg.params, list(msg.block_table), msg.cached_tokens, 0, frozenset(),
             msg.output_offset,
         )  # fmt: skip
         self.flight[rid] = _Flight(msg.attempt, prompt, self.loop.now, self.script(rid))
