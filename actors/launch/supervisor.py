@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,37 @@ def prepare(cfg: RuntimeConfig) -> Path:
     return path
 
 
+class RestartBudget:
+    """How often an actor may die and be restarted: at most ``limit`` times within any
+    ``window_s`` seconds (as Erlang supervisors' intensity and period, or systemd's start limit),
+    so a runtime that serves for weeks survives one crash a day, while a crash loop gives up.
+    The back-off before a restart doubles with the deaths in the window: 2 s (every peer has
+    declared the dead process dead by then) up to 10 s. Pure: times are given in."""
+
+    def __init__(self, limit: int = 5, window_s: float = 600.0) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.deaths: deque[float] = deque()
+        self.total = 0  # restarts ever
+
+    def died(self, now: float) -> float | None:
+        """A death at ``now``: seconds to wait before the restart, or None to give up."""
+        while self.deaths and now - self.deaths[0] >= self.window_s:
+            self.deaths.popleft()
+        if len(self.deaths) >= self.limit:
+            return None
+        self.deaths.append(now)
+        self.total += 1
+        return min(max(2.0, 0.5 * 2 ** len(self.deaths)), 10.0)
+
+
 class Child:
-    def __init__(self, name: str, config_path: Path, run_dir: Path) -> None:
+    def __init__(self, name: str, config_path: Path, run_dir: Path, max_restarts: int) -> None:
         self.name = name
         self.config_path = config_path
         self.log_path = run_dir / "logs" / f"{name}.log"
         self.proc: Any = None
-        self.restarts = 0
+        self.budget = RestartBudget(max_restarts)
 
     async def start(self) -> None:
         cmd = [
@@ -84,8 +109,8 @@ class Supervisor:
         self.cfg = cfg
         # the four actors, and the HTTP server unless --http-port 0 turned it off
         names = (*ACTORS, "http") if cfg.http.port else ACTORS
-        self.children = {n: Child(n, config_path, Path(cfg.run_dir)) for n in names}
-        self.max_restarts = max_restarts
+        run_dir = Path(cfg.run_dir)
+        self.children = {n: Child(n, config_path, run_dir, max_restarts) for n in names}
         self.log = get_logger()
         self.stopping = False
         self._ready_count = 0
@@ -136,24 +161,28 @@ class Supervisor:
                 # 0: the actor stopped on a signal (e.g. the terminal's Ctrl-C reached the whole
                 # process group); the supervisor is about to stop too.
                 return
+            budget = child.budget
             self.log.error(
                 "supervisor.child_exited",
                 child=child.name,
                 returncode=code,
-                restarts=child.restarts,
+                restarts=budget.total,
             )
-            if child.restarts >= self.max_restarts:
-                raise RuntimeError(f"{child.name} died {child.restarts + 1} times; giving up")
-            child.restarts += 1
+            backoff = budget.died(trio.current_time())
+            if backoff is None:
+                raise RuntimeError(
+                    f"{child.name} died {budget.limit + 1} times within {budget.window_s:.0f} s; "
+                    "giving up"
+                )
             # Wait at least until every peer has declared the dead process dead (3 heartbeats),
             # so its successor never receives messages meant for it.
-            await trio.sleep(min(max(2.0, 0.5 * 2**child.restarts), 10.0))
+            await trio.sleep(backoff)
             await child.start()
             self.log.info(
                 "supervisor.child_restarted",
                 child=child.name,
                 pid=child.proc.pid,
-                restarts=child.restarts,
+                restarts=budget.total,
             )
 
     async def stop(self, grace: float = 5.0) -> None:
