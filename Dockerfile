@@ -67,6 +67,12 @@ RUN set -eu; \
     pip install ${index:+--extra-index-url "$index"} "$spec"; \
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
+# A C compiler: the executor builds its paged decode attention kernel (gpu/paged_kernel.py) on
+# first use, for the CPU it runs on; without one it falls back to the slower tensor path.
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
+    && rm -rf /var/lib/apt/lists/*
+
 # The project's dependencies, from pyproject.toml alone (source edits do not invalidate this layer).
 COPY pyproject.toml /opt/minirt-src/pyproject.toml
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/opt/minirt-src/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \

@@ -25,6 +25,7 @@ from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
 from gpu.kv_cache import resolve_num_blocks
+from gpu.paged_kernel import usable
 from gpu.recovery import Flight, RecoveryMixin
 from gpu.structured.grammar import Compiled, GrammarError
 from gpu.structured.pending import Done, PendingCompiles
@@ -76,6 +77,8 @@ class ExecutorActor(RecoveryMixin, Actor):
             dtype=str(self.ex.dtype),
             num_blocks=self.ex.num_blocks,
             block_size=self.ex.block_size,
+            # the C kernel needs a C compiler where the executor runs (the image has one)
+            decode_attention="paged_kernel" if usable(self.ex.device, self.ex.dtype) else "tensor",
             **dataclasses.asdict(self.ex.budget),
         )
 

@@ -124,6 +124,17 @@ def events(run_dir: Path, out_dir: Path) -> int:
     if missing_files:
         print(f"events: no event file for {missing_files} under {run_dir}/events", file=sys.stderr)
         return 1
+    configs = [
+        json.loads(line)
+        for line in files["executor"].read_text(errors="replace").splitlines()
+        if '"executor.config"' in line
+    ]
+    paths = {c.get("decode_attention") for c in configs}
+    if paths != {"paged_kernel"}:  # the image's C compiler built the decode attention kernel
+        print(
+            f"events: executor.config decode_attention {sorted(map(str, paths))}", file=sys.stderr
+        )
+        return 1
     seen: dict[str, set[tuple[str, str]]] = {}
     for path in files.values():
         for line in path.read_text(errors="replace").splitlines():
