@@ -44,9 +44,8 @@ def build_actor(name: str, cfg: RuntimeConfig) -> Any:
 
         return KVManagerActor(cfg, resolve_num_blocks(cfg))
     if name == "executor":
-        # The step runs in a worker thread; without an explicit OpenMP thread count, torch ran
-        # about 20% slower there than on the main thread (measured on the bench model, 2 cores).
-        # Set it before torch is imported.
+        # One OpenMP/MKL thread per core unless --threads says otherwise; set before torch is
+        # imported.
         threads = str(cfg.executor.threads or len(os.sched_getaffinity(0)))
         os.environ.setdefault("OMP_NUM_THREADS", threads)
         os.environ.setdefault("MKL_NUM_THREADS", threads)
