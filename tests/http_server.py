@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.runtime import Runtime, start_runtime
+from tests.runtime import Runtime, poll_until, start_runtime
 
 MAX_NEW = 12
 PROMPT = "the quick model serves a request"
@@ -44,17 +43,6 @@ def aclient(server: HttpRuntime) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
-def poll(fn, timeout: float = 10.0, interval: float = 0.05):
-    """Call ``fn`` until it returns something truthy (returned), or None after ``timeout`` s."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = fn()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
-
-
 def random_ids(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -69,18 +57,21 @@ def health(url: str, timeout: float = 10.0) -> httpx.Response | None:
 
 
 def wait_healthy(url: str, timeout: float = 60.0, headers: dict[str, str] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
+    last = [""]
+
+    def ok() -> bool:
         try:
             r = httpx.get(url + "/health", timeout=2.0, headers=headers)
-            if r.status_code == 200:
-                return
-            last = r.text
         except httpx.HTTPError as e:
-            last = repr(e)
-        time.sleep(0.1)
-    raise RuntimeError(f"{url}/health never answered 200: {last}")
+            last[0] = repr(e)
+            return False
+        last[0] = r.text
+        return r.status_code == 200
+
+    try:
+        poll_until(ok, timeout, f"{url}/health to answer 200", interval=0.1)
+    except TimeoutError:
+        raise RuntimeError(f"{url}/health never answered 200: {last[0]}") from None
 
 
 @contextmanager

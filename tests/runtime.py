@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,21 @@ async def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: f
             if value:
                 return value
             await trio.sleep(interval)
+
+
+def poll_until(
+    cond: Callable[[], Any], timeout: float = 10.0, what: str = "", interval: float = 0.05
+) -> Any:
+    """Blocking ``wait_until`` (threads, sync clients): call ``cond`` until it returns something
+    truthy (returned); ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what or cond}")
+        time.sleep(interval)
 
 
 def hf_greedy(

@@ -84,7 +84,7 @@ async def test_a_client_that_is_gone_hands_back_its_requests(autojump_clock):
     assert gone == [ids[1:]] and woken == [True]
 
 
-async def test_frames_wait_in_order_while_a_client_is_full(autojump_clock):
+async def test_frames_wait_in_order_while_a_client_is_full(mock_clock):
     ep, wire, _, _ = endpoint()
     ep.open(b"A", "1")
     wire.full.add(b"A")
@@ -94,15 +94,17 @@ async def test_frames_wait_in_order_while_a_client_is_full(autojump_clock):
             ep.send(b"A", Ping(nonce=n))
         ep.send(b"B", Ping(nonce=9))  # another client is not held up
         assert b"A" not in wire.sent and wire.sent[b"B"] == [Ping(nonce=9)]
-        await trio.sleep(0.05)
-        wire.full.discard(b"A")
+        mock_clock.jump(0.05)  # the flusher retries: A is still full
         await trio.testing.wait_all_tasks_blocked()
-        await trio.sleep(0.05)
+        assert b"A" not in wire.sent
+        wire.full.discard(b"A")
+        mock_clock.jump(0.05)
+        await trio.testing.wait_all_tasks_blocked()
         assert wire.sent[b"A"] == [Ping(nonce=n) for n in (1, 2, 3)]
         nursery.cancel_scope.cancel()
 
 
-async def test_idle_clients_with_requests_are_probed_and_the_others_forgotten(autojump_clock):
+async def test_idle_clients_with_requests_are_probed_and_the_others_forgotten(mock_clock):
     ep, wire, gone, _ = endpoint()
     ep.open(b"A", "1")  # waits in the queue: nothing is sent to it
     ep.open(b"B", "1")
@@ -110,11 +112,14 @@ async def test_idle_clients_with_requests_are_probed_and_the_others_forgotten(au
     probe = Pong(actor="tokenizer", boot_id="boot1234")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ep.probe_loop, probe)
-        await trio.sleep(PROBE_S * 1.5)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(PROBE_S * 1.5)
+        await trio.testing.wait_all_tasks_blocked()
         assert wire.sent.get(b"A") == [probe]
         assert b"B" not in ep.clients and b"B" not in wire.sent
         wire.gone.add(b"A")  # A disconnects: the next probe finds out
-        await trio.sleep(PROBE_S * 1.5)
+        mock_clock.jump(PROBE_S)
+        await trio.testing.wait_all_tasks_blocked()
         ep.settle()  # (the reader, once it read what A sent)
         assert gone and gone[0][0].startswith("1@") and b"A" not in ep.clients
         nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from tests.runtime import wait_until
 from tokenizer_svc.http.dashboard import (
     COOKIE,
     MAX_STREAMS,
@@ -186,9 +187,8 @@ async def test_sse_stream_over_hypercorn_sends_backlog_then_new_lines(run_dir):
                 assert more[0][0] == "events"
                 assert json.loads(more[0][1][1])["blocks_needed"] == 4
                 assert STREAMS["open"] == 1
-            with trio.fail_after(10):  # the client went away: its stream ends on the server
-                while STREAMS["open"]:
-                    await trio.sleep(0.05)
+            # the client went away: its stream ends on the server
+            await wait_until(lambda: not STREAMS["open"], timeout=10)
         nursery.cancel_scope.cancel()
 
 

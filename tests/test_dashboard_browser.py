@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import trio
 
 from actors.client import open_client
 from tests.http_server import start_http_runtime
-from tests.runtime import kv_stats
+from tests.runtime import kv_stats, wait_until
 from tokenizer_svc.http.export import export_html
 
 INSTALL = "apt-get install -y chromium chromium-driver && .venv/bin/pip install selenium"
@@ -134,7 +133,7 @@ async def _load(endpoint: str, until: float, shared: list[int], seed: int) -> No
     """A mix that keeps the small pool full: 40% of prompts share a prefix; sizes vary."""
     rng = random.Random(seed)
     async with open_client(endpoint) as c:
-        while time.monotonic() < until:
+        while trio.current_time() < until:
             body = [rng.randrange(5, 500) for _ in range(rng.randint(40, 250))]
             ids = shared + body[:60] if rng.random() < 0.4 else body
             await c.generate(prompt_ids=ids, max_tokens=rng.randint(20, 150), ignore_eos=True)
@@ -159,10 +158,12 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
             assert "API key" in drv.page_source  # 401 without the key
             await trio.to_thread.run_sync(drv.get, f"{base}?key={key}&{caps}")
             assert "key=" not in drv.current_url  # the cookie holds it now
-            with trio.fail_after(20):
-                while (await _dom(drv, "return MR.stats().conn")) != "live":
-                    await trio.sleep(0.1)
-            t_open = time.monotonic()
+
+            async def connected() -> bool:
+                return (await _dom(drv, "return MR.stats().conn")) == "live"
+
+            await wait_until(connected, timeout=20, interval=0.1)
+            t_open = trio.current_time()
 
             ids = ["dash-a", "dash-b", "dash-c"]
             results: dict[str, Any] = {}
@@ -176,17 +177,19 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
             shared = prompt(96)
             async with open_client(rt.endpoint) as c:
                 async with trio.open_nursery() as reqs:
-                    for rid in ids:
+                    for rid in ids:  # arriving in this order
                         reqs.start_soon(run, c, rid, prompt(100), 900)
-                        await trio.sleep(0.05)
+                        await wait_until(lambda r=rid: rt.events("client.received", request_id=r))
                 await run(c, "dash-e", shared + list(range(400, 420)), 8)
                 await run(c, "dash-f", shared + list(range(420, 440)), 8)
-            with trio.fail_after(10):  # the page's poll + render: each request seen finished
-                while True:
-                    obs: dict[str, list[Any]] = await _dom(drv, "return window.__seen")
-                    if all(any(o["table"] == "finished" for o in obs.get(i, [])) for i in results):
-                        break
-                    await trio.sleep(0.1)
+
+            async def all_seen_finished() -> dict[str, list[Any]] | None:
+                seen: dict[str, list[Any]] = await _dom(drv, "return window.__seen")
+                done = all(any(o["table"] == "finished" for o in seen.get(i, [])) for i in results)
+                return seen if done else None
+
+            # the page's poll + render: each request seen finished
+            obs = await wait_until(all_seen_finished, timeout=10, interval=0.1)
 
             refusals = {
                 i: {
@@ -245,18 +248,21 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
 
             # 30 s of updates in all, under a mixed load: bounded buffers, heap and DOM
             until = t_open + 32
-            for s in range(8):
-                nursery.start_soon(_load, rt.endpoint, until, shared, s)
-            await trio.sleep(max(0.0, t_open + 14 - time.monotonic()))
-            mid = await _dom(drv, MEMORY)
-            with trio.move_on_after(8):  # the screenshot: a moment with a queue and a batch
-                while True:
-                    live = await _dom(drv, "return MR.stats().live")
-                    if live["waiting"] >= 2 and live["running"] >= 2:
-                        break
-                    await trio.sleep(0.2)
-            _shot(drv, tmp_path, "dashboard.png")
-            await trio.sleep(max(0.0, until - time.monotonic()))
+
+            async def queue_and_batch() -> bool:
+                live = await _dom(drv, "return MR.stats().live")
+                return live["waiting"] >= 2 and live["running"] >= 2
+
+            async with trio.open_nursery() as loads:  # each load ends at `until`
+                for s in range(8):
+                    loads.start_soon(_load, rt.endpoint, until, shared, s)
+                await trio.sleep_until(t_open + 14)
+                mid = await _dom(drv, MEMORY)  # halfway through the load
+                try:  # the screenshot: a moment with a queue and a batch, if one comes
+                    await wait_until(queue_and_batch, timeout=8, interval=0.2)
+                except trio.TooSlowError:
+                    pass
+                _shot(drv, tmp_path, "dashboard.png")
             end = await _dom(drv, MEMORY)
             print(
                 "dashboard heap/nodes mid",

@@ -13,10 +13,9 @@ from tests.http_server import (
     PROMPT,
     hf_chat_ids,
     hf_logprobs,
-    poll,
     random_ids,
 )
-from tests.runtime import hf_greedy
+from tests.runtime import hf_greedy, poll_until
 
 pytest_plugins = ("tests.http_fixture",)  # one runtime for this module and its sibling
 
@@ -199,12 +198,13 @@ def test_request_id_is_echoed_and_traced(server, client):
     rt = server.rt
     assert rt.events("http.request", request_id="trace-me-7")
     # logged once the last byte is sent: may land just after the client has the body
-    [resp] = poll(lambda: rt.events("http.response", request_id="trace-me-7"))
+    [resp] = poll_until(lambda: rt.events("http.response", request_id="trace-me-7"))
     assert resp["status"] == 200 and resp["completion_tokens"] == 2
     # `minirt trace trace-me-7` shows the HTTP leg beside the actors' decisions
     want = {"http", "tokenizer", "scheduler", "executor"}
-    actors = poll(
-        lambda: want <= (got := {e["actor"] for e in rt.events(request_id="trace-me-7")}) and got
+    actors = poll_until(
+        lambda: want <= (got := {e["actor"] for e in rt.events(request_id="trace-me-7")}) and got,
+        what=f"events of {want} for trace-me-7",
     )
     assert actors, {e["actor"] for e in rt.events(request_id="trace-me-7")}
     plain = httpx.get(server.url + "/v1/models")

@@ -12,8 +12,8 @@ import openai
 import pytest
 import trio
 
-from tests.http_server import health, poll, start_http_runtime, wait_healthy
-from tests.runtime import kv_stats, wait_until
+from tests.http_server import health, start_http_runtime, wait_healthy
+from tests.runtime import kv_stats, poll_until, wait_until
 
 KEY = "sk-minirt-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -207,8 +207,7 @@ def test_a_dead_actor_gives_503_and_health_names_it(server):
         r = health(server.url)
         return r if r is not None and r.status_code == 503 else None
 
-    down = poll(unhealthy, 15)
-    assert down is not None, "health never turned 503"
+    down = poll_until(unhealthy, 15, "health to turn 503")
     assert "executor" in down.json()["missing"], down.json()
     assert down.json()["actors"]["executor"] == {"alive": False, "ready": False}
 
@@ -219,8 +218,7 @@ def test_a_dead_actor_gives_503_and_health_names_it(server):
             return None
         return r if r.status_code == 503 else None
 
-    r = poll(refused, 10)
-    assert r is not None, "no request was refused while the executor was down"
+    r = poll_until(refused, 10, "a request refused while the executor is down")
     assert r.json()["error"]["code"] == "actor_dead"
     assert "executor" in r.json()["error"]["message"]
     wait_healthy(server.url, timeout=60)  # the supervisor restarted it
@@ -232,8 +230,11 @@ def test_the_http_server_reconnects_after_the_front_door_restarts(server):
     before = post(server, COMP, {"prompt": "x", "max_tokens": 2}, timeout=60)
     assert before.status_code == 200
     os.kill(server.rt.pid_of("tokenizer"), signal.SIGKILL)
-    down = poll(lambda: (r := health(server.url)) is not None and r.status_code == 503, 15)
-    assert down, "health never turned 503"
+    poll_until(
+        lambda: (r := health(server.url)) is not None and r.status_code == 503,
+        15,
+        "health to turn 503",
+    )
     wait_healthy(server.url, timeout=60)
     after = post(server, COMP, {"prompt": "x", "max_tokens": 2}, timeout=60)
     assert after.status_code == 200, after.text

@@ -27,43 +27,43 @@ def kinds(changes: list[Any]) -> list[tuple[str, Kind]]:
     return [(c.peer, c.kind) for c in changes]
 
 
-async def test_a_peer_silent_past_the_timeout_dies_once_and_comes_back(autojump_clock):
+async def test_a_peer_silent_past_the_timeout_dies_once_and_comes_back(mock_clock):
     live = Liveness(["kv", "executor"], heartbeat_s=HB)
     assert live.state("kv") is State.UNSEEN
     first = live.pong("kv", "b1")
     assert first is not None and (first.kind, first.boot_id) == (Kind.SEEN, "b1")
     assert live.state("kv") is State.ALIVE
     for _ in range(10):  # answering every heartbeat: alive however long it runs
-        await trio.sleep(HB)
+        mock_clock.jump(HB)
         assert live.pong("kv", "b1") is None
         assert live.check() == []
-    await trio.sleep(TIMEOUT)  # silent for exactly the timeout: not yet
+    mock_clock.jump(TIMEOUT)  # silent for exactly the timeout: not yet
     assert live.check() == []
-    await trio.sleep(0.01)
+    mock_clock.jump(0.01)
     [died] = live.check()
     assert (died.peer, died.kind) == ("kv", Kind.DIED)
     assert died.reason == "kv died (no heartbeat for 1.5s)"
     assert live.down == {"kv"}
-    await trio.sleep(10 * HB)
+    mock_clock.jump(10 * HB)
     assert live.check() == []  # declared once, not at every heartbeat
     back = live.pong("kv", "b1")  # the same process, after a stall
     assert back is not None and back.kind is Kind.BACK
     assert live.down == frozenset() and live.state("kv") is State.ALIVE
 
 
-async def test_a_peer_that_never_answered_is_never_declared_dead(autojump_clock):
+async def test_a_peer_that_never_answered_is_never_declared_dead(mock_clock):
     live = Liveness(["kv"], heartbeat_s=HB)
-    await trio.sleep(50 * TIMEOUT)
+    mock_clock.jump(50 * TIMEOUT)
     assert live.check() == [] and live.state("kv") is State.UNSEEN and not live.down
 
 
 async def test_a_new_boot_id_is_a_restart_and_late_answers_of_the_old_process_are_ignored(
-    autojump_clock,
+    mock_clock,
 ):
     live = Liveness(["kv", "executor"], heartbeat_s=HB)
     live.pong("kv", "old")
     live.pong("executor", "x1")
-    await trio.sleep(HB)
+    mock_clock.jump(HB)
     restarted = live.pong("kv", "new")
     assert restarted is not None and restarted.kind is Kind.RESTARTED
     assert restarted.reason == "kv restarted (new boot id new)" and restarted.boot_id == "new"
@@ -71,9 +71,9 @@ async def test_a_new_boot_id_is_a_restart_and_late_answers_of_the_old_process_ar
     assert live.pong("kv", "old") is None  # a stale Pong: neither a restart nor a sign of life
     assert live.pong("kv", "new") is None
     live.pong("executor", "x1")
-    await trio.sleep(TIMEOUT - 0.1)
+    mock_clock.jump(TIMEOUT - 0.1)
     live.pong("executor", "x1")
-    await trio.sleep(0.2)
+    mock_clock.jump(0.2)
     # the stale Pong did not count: kv is silent since "new" answered; the executor is not
     assert kinds(live.check()) == [("kv", Kind.DIED)]
     back = live.pong("kv", "newer")  # its successor, after the death was noticed
@@ -114,6 +114,12 @@ class Probe(Actor):
         self.deaths: list[tuple[str, str]] = []
         self.returns: list[str] = []
         self.changed = trio.Event()
+        self.seen = {p: trio.Event() for p in self.peers}  # answered a heartbeat
+
+    def _peer_changed(self, change: Any, pid: int = 0) -> None:
+        super()._peer_changed(change, pid)
+        if change.kind is not Kind.DIED:
+            self.seen[change.peer].set()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
         self.deaths.append((name, reason))
@@ -157,10 +163,11 @@ async def test_actor_notices_a_peer_die_and_restart_on_the_mock_clock(heartbeat_
             return peer, scope
 
         first, first_scope = await start_peer()
-        while watcher.liveness.state("kv_manager") is not State.ALIVE:
-            await trio.sleep(HB)
+        with trio.fail_after(2 * TIMEOUT):  # seen within a few heartbeats
+            await watcher.seen["kv_manager"].wait()
         assert watcher.liveness.peers["kv_manager"].boot_id == first.boot_id
-        await trio.sleep(20 * HB)  # answering: never declared dead
+        with trio.move_on_after(20 * HB):  # answering: never declared dead
+            await wait_change(0)
         assert watcher.deaths == [] and watcher.down == frozenset()
 
         first_scope.cancel()  # the peer dies

@@ -28,7 +28,7 @@ from actors.launch.router import (
     router_workers,
     running_router,
 )
-from tests.runtime import start_runtime
+from tests.runtime import poll_until, start_runtime
 
 try:
     find_router()
@@ -154,10 +154,10 @@ def _recovered(run_dir: Path, url: str, old_pid: int) -> bool:
 
 
 def _wait_all_healthy(ca: RouterSpec, rr: RouterSpec, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(len(h) == 2 and all(h.values()) for h in (_health(ca), _health(rr))):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+    def healthy() -> bool:
+        return all(len(h) == 2 and all(h.values()) for h in (_health(ca), _health(rr)))
+
+    poll_until(healthy, timeout, what, interval=0.5)
 
 
 def _health(spec: RouterSpec) -> dict[str, bool]:

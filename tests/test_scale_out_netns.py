@@ -35,6 +35,7 @@ from actors.launch.router import (
 )
 from actors.runtime.security import make_keys
 from tests.netns import Hosts, two_hosts, unavailable
+from tests.runtime import poll_until
 
 try:
     find_router()
@@ -234,7 +235,7 @@ print(json.dumps(out))
         # Replica B killed (the whole instance) and started again with the same command and run
         # dir: the router stops sending to it, then takes it back by itself.
         os.killpg(procs["b"].pid, signal.SIGKILL)
-        wait_for(lambda: router_workers(spec).get(urls[1]) is False, 30, "router to drop replica B")
+        poll_until(lambda: router_workers(spec).get(urls[1]) is False, 30, "router to drop B", 0.3)
         records, _ = trio.run(
             lambda: run_jobs(
                 spec.url,
@@ -247,7 +248,9 @@ print(json.dumps(out))
         assert all(r.status == 200 and not r.error for r in records)
         assert set(served_by(runs, [r.rid for r in records]).values()) == {"a"}
         stack.enter_context(replica(cmds["b"], tmp_path / "b2.log"))
-        wait_for(lambda: router_workers(spec).get(urls[1]) is True, 60, "replica B to rejoin")
+        poll_until(
+            lambda: router_workers(spec).get(urls[1]) is True, 60, "replica B to rejoin", 0.3
+        )
         jobs = text_w2(tok, 7, groups=1, per_group=4, system=16, tag="back")
         records, _ = trio.run(
             lambda: run_jobs(
@@ -256,10 +259,3 @@ print(json.dumps(out))
         )
         assert all(r.status == 200 and not r.error for r in records)
         assert set(served_by(runs, [j.rid for j in jobs]).values()) == {"a", "b"}
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from actors.runtime.security import make_keys
 from tests.netns import two_hosts, unavailable
-from tests.runtime import hf_greedy
+from tests.runtime import hf_greedy, poll_until
 
 _why = unavailable()
 if _why:
@@ -81,14 +80,17 @@ def _split_run(h, tiny_model, tmp_path) -> None:
         prompt = [5, 6, 7, 8, 9, 10]
         gen = [*CLI, "generate", "--endpoint", eps["client"], "--curve-dir", str(keys), "--json"]
         gen += ["--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "6", "--timeout", "10"]
-        deadline, out = time.monotonic() + 150, None
-        while time.monotonic() < deadline:
-            out = subprocess.run(gen, capture_output=True, text=True, timeout=60)
-            if out.returncode == 0:
-                break
+        tries: list[subprocess.CompletedProcess] = []
+
+        def generated() -> subprocess.CompletedProcess | None:
+            tries.append(subprocess.run(gen, capture_output=True, text=True, timeout=60))
             assert all(p.poll() is None for p in procs), "an actor exited; see its log"
-            time.sleep(1)
-        assert out is not None and out.returncode == 0, out.stderr if out else "never ran"
+            return tries[-1] if tries[-1].returncode == 0 else None
+
+        try:
+            out = poll_until(generated, 150, "a generate over CURVE", interval=1)
+        except TimeoutError:
+            raise AssertionError(tries[-1].stderr) from None
         assert json.loads(out.stdout)["token_ids"] == hf_greedy(tiny_model, [prompt], 6)[0]
         ping = f"""
 import trio
