@@ -147,12 +147,14 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
     rng = random.Random(7)
     prompt = lambda n: [rng.randrange(5, 500) for _ in range(n)]  # noqa: E731
     # full reservations on 64 blocks of 16: each 100 + 900 token request takes 63 blocks, so
-    # only one runs at a time (about a second each) and the others are refused for lack of blocks
-    flags = ("--num-blocks", "64", "--kv-mode", "full")
+    # only one runs at a time (about a second each) and the others are refused for lack of blocks.
+    # One torch thread: on two cores the executor's two would starve the browser, whose page then
+    # lags the server by more than a request's life.
+    flags = ("--num-blocks", "64", "--kv-mode", "full", "--threads", "1")
     with start_http_runtime(tiny_model, run_dir, *flags, api_key=key) as hr:
         rt = hr.rt
         async with trio.open_nursery() as nursery:
-            caps = "&".join(f"cap_{k}={v}" for k, v in CAPS.items()) + "&window_s=30"
+            caps = "&".join(f"cap_{k}={v}" for k, v in CAPS.items()) + "&window_s=30&refresh_ms=200"
             base = f"{hr.url}/dashboard"  # the HTTP API's server, with its API key
             await trio.to_thread.run_sync(drv.get, f"{base}?{caps}")
             assert "API key" in drv.page_source  # 401 without the key
@@ -174,12 +176,20 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
                     prompt_ids=ids_, max_tokens=n, ignore_eos=True, request_id=rid
                 )
 
+            async def shown_refused(rid: str) -> bool:
+                seen = await _dom(drv, "return window.__seen")
+                return any(o["why"] == "refused" for o in seen.get(rid, []))
+
             shared = prompt(96)
             async with open_client(rt.endpoint) as c:
                 async with trio.open_nursery() as reqs:
                     for rid in ids:  # arriving in this order
                         reqs.start_soon(run, c, rid, prompt(100), 900)
                         await wait_until(lambda r=rid: rt.events("client.received", request_id=r))
+                    # dash-a holds the pool until the page has shown dash-b refused (however far
+                    # a busy machine makes the page lag); then it is cancelled, and dash-b runs
+                    await wait_until(lambda: shown_refused("dash-b"), timeout=60, interval=0.1)
+                    await c.cancel("dash-a")
                 await run(c, "dash-e", shared + list(range(400, 420)), 8)
                 await run(c, "dash-f", shared + list(range(420, 440)), 8)
 
