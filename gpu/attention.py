@@ -9,7 +9,7 @@ matmuls compute the whole group. Grouping bounds the padding: one group for cont
 300 tokens would gather and multiply 50% padding. Each prefill chunk runs one
 ``scaled_dot_product_attention``: a chunk with no cached context attends to its own K/V with a
 causal mask (no gather); a chunk that starts mid-prompt gathers its whole context from the cache
-and uses a causal mask offset by its start.
+and uses a causal mask offset by its start (query heads share K/V heads through ``enable_gqa``).
 """
 
 from __future__ import annotations
@@ -249,10 +249,11 @@ def paged_attention(
         else:
             kp = kc.index_select(0, ch.ctx_slots).view(1, kv_heads, -1, d)
             vp = vc.index_select(0, ch.ctx_slots).view(1, kv_heads, -1, d)
-            if group > 1:  # sdpa with a mask and enable_gqa falls back to slow paths; expand
-                kp = kp.repeat_interleave(group, dim=1)
-                vp = vp.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=ch.mask, scale=scale)
+            # enable_gqa rather than repeating K/V per query head: same output, and 3.5x faster
+            # for a 36-row chunk over 836 cached positions (8/2 heads, torch 2.13, 1.47 -> 0.42 ms)
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=ch.mask, scale=scale, enable_gqa=group > 1
+            )
         parts.append(o[0].transpose(0, 1))  # sdpa on cpu returns this layout contiguous
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(num_tokens, heads * d)

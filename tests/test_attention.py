@@ -4,6 +4,7 @@ not change what is computed."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,43 @@ def test_loading_the_paged_kernel_keeps_subnormal_floats() -> None:
     if out[0] != "True":
         pytest.skip("no C compiler: the paged kernel is not built here")
     assert out[1:] == ["True", "True"], "loading the kernel turned on flush-to-zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kvh", "d", "bs"), [(8, 2, 64, 16), (14, 2, 64, 4), (4, 4, 16, 16), (16, 2, 128, 8)]
+)
+def test_paged_kernel_bodies_attend_like_sdpa(dtype, heads, kvh, d, bs):
+    """The AVX-512 body (where this machine has it) and the portable one give attention over
+    paged contexts: shared prefix blocks, lengths that end mid-block and mid-16, one-slot
+    contexts, head groups that do not fill the vector body's register tiles."""
+    if not paged_kernel.usable(torch.device("cpu"), dtype):
+        pytest.skip("no C compiler: the paged kernel is not built here")
+    torch.manual_seed(d + heads)
+    num_blocks = 300
+    kc = torch.randn(kvh, num_blocks * bs, d).to(dtype)
+    vc = torch.randn(kvh, num_blocks * bs, d).to(dtype)
+    perm = torch.randperm(num_blocks).tolist()
+    shared = perm[:20]  # the first 20 blocks shared by half the rows (a common prefix)
+    lens = [1, 2, 15, 16, 17, 31, 33, 20 * bs + 5, 20 * bs, 20 * bs + 37, 7 * bs + 3, 40 * bs]
+    width = max(lens) // bs + 1
+    tables, rest = [], perm[20:]
+    for i, n in enumerate(lens):
+        need = -(-n // bs)
+        own = [rest.pop() for _ in range(need)]
+        t = (shared + own)[:need] if i % 2 and need > 20 else own
+        tables.append(t + [0] * (width - len(t)))
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    tab, ln = torch.tensor(tables), torch.tensor(lens)
+    vec = paged_kernel.decode(q, kc, vc, tab, ln, bs, d**-0.5)
+    port = paged_kernel.decode(q, kc, vc, tab, ln, bs, d**-0.5, portable=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for i, n in enumerate(lens):
+        slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(n)])
+        k = kc[:, slots].float().repeat_interleave(heads // kvh, 0)
+        v = vc[:, slots].float().repeat_interleave(heads // kvh, 0)
+        want = F.scaled_dot_product_attention(q[i].float()[:, None], k, v)[:, 0]
+        torch.testing.assert_close(vec[i].float(), want, **tol)
+        torch.testing.assert_close(port[i].float(), want, **tol)
+    if "avx512f" in Path("/proc/cpuinfo").read_text():
+        assert paged_kernel.vector(dtype, d)  # the vector body is what ran above
