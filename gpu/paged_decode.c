@@ -225,16 +225,31 @@ int64_t paged_decode_vector(int64_t bf16, int64_t d) {
     return f != portable_f32 && f != portable_bf16;
 }
 
+static int by_first_block(const void *a, const void *b) {
+    const int64_t *x = (const int64_t *)a, *y = (const int64_t *)b;
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
 static void run(int bf16, const void *q, const void *kc, const void *vc, const int64_t *tables,
                 const int64_t *lens, int64_t n, int64_t heads, int64_t kvh, int64_t d,
                 int64_t bs, int64_t num_slots, int64_t max_blocks, float scale, void *out,
                 int64_t portable) {
     int64_t g = heads / kvh;
     body_fn f = portable ? (bf16 ? portable_bf16 : portable_f32) : pick(bf16, d);
-#pragma omp parallel for collapse(2) schedule(dynamic)
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t h = 0; h < kvh; h++)
-            f(q, kc, vc, tables, lens, r, h, heads, g, d, bs, num_slots, max_blocks, scale, out);
+    /* rows that share a cached prefix (the same first block) run one after another, so the
+       prefix is read from the cache of the core that just read it */
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * 2 * (n + 1));
+    for (int64_t r = 0; r < n; r++) {
+        order[2 * r] = tables[r * max_blocks];
+        order[2 * r + 1] = r;
+    }
+    qsort(order, n, 2 * sizeof(int64_t), by_first_block);
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t t = 0; t < n * kvh; t++) {
+        int64_t r = order[2 * (t / kvh) + 1], h = (t % kvh);
+        f(q, kc, vc, tables, lens, r, h, heads, g, d, bs, num_slots, max_blocks, scale, out);
+    }
+    free(order);
 }
 
 #define ENTRY(NAME, BF16)                                                                     \
