@@ -144,11 +144,14 @@ static inline __m512 vexp(__m512 x) {
                 rows[i] = K + (h * num_slots + tab[bi] * bs + bo) * D * ESZ;                  \
                 if (++bo == bs) bo = 0, bi++;                                                 \
             }                                                                                 \
+            /* past the end: any valid row (those lanes are masked below), so the loop over   \
+               the 16 positions has a constant count and its accumulators stay in registers */ \
+            for (int64_t i = cnt; i < 16; i++) rows[i] = rows[0];                             \
             for (int64_t j = 0; j < g; j++) {                                                 \
                 __m512 qj[C], a[16];                                                          \
                 for (int c = 0; c < C; c++) qj[c] = _mm512_loadu_ps(qv + j * D + 16 * c);     \
                 for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();                      \
-                for (int64_t i = 0; i < cnt; i++)                                             \
+                for (int i = 0; i < 16; i++)                                                  \
                     for (int c = 0; c < C; c++)                                               \
                         a[i] = _mm512_fmadd_ps(VLD(rows[i] + 16 * c * ESZ), qj[c], a[i]);     \
                 _mm512_storeu_ps(s + j * Lp + l0, sum16(a));                                  \
