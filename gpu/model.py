@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu import paged_kernel
+from gpu import cpu_ops, paged_kernel
 from gpu.attention import AttentionMetadata, paged_attention
 from gpu.kv_cache import PagedKVCache
 from gpu.linear import TILE_ROWS, Linear, packing_enabled
@@ -23,17 +23,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     For float32 the fused ``F.rms_norm`` gives bit-identical results in one op.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        fused = cpu_ops.rms_norm(x, weight, eps)  # one C pass where it applies
+        return fused if fused is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin`` computed as
     ``roll(x) * sin_signed`` (``sin_signed`` = sin with its first half negated): bit-identical,
-    fewer ops."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+    fewer ops; in one C pass where :func:`gpu.cpu_ops.rope` applies (also bit-identical).
+    ``cos``/``sin_signed``: the ``[max_pos, D]`` tables, read at ``positions``."""
+    fused = cpu_ops.rope(x, cos, sin_signed, positions)
+    if fused is not None:
+        return fused
+    c, s = cos[positions][:, None, :], sin_signed[positions][:, None, :]
+    return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
 
 
 # Layers keep their plain float32 weights beside the packed ones (for lone decodes, see
@@ -163,18 +171,17 @@ class LlamaFamilyModel:
         lo = x.dtype  # the linears' dtype; the residual stream x is float32 when mixed
         if self.mixed:
             x = x.float()
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin_signed[positions][:, None, :]
+        cos, sin = self.cos, self.sin_signed
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln_in, eps).to(lo)
             qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
-                qk = rope(qkv[:, : nh + nkv], cos, sin)
+                qk = rope(qkv[:, : nh + nkv], cos, sin, positions)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
-                q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), cos, sin)
-                k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), cos, sin)
+                q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), cos, sin, positions)
+                k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), cos, sin, positions)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
             # Row tiles of TILE_ROWS from here to the layer's end: the linears tile there anyway
             # (same kernels, same rounding), so the outputs add into x in place instead of being

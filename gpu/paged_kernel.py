@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = (Path(__file__).parent / "paged_decode.c").read_text()
+# one library: the decode attention and the fused elementwise ops of gpu.cpu_ops
+_SOURCE = "\n".join(
+    (Path(__file__).parent / f).read_text() for f in ("paged_decode.c", "cpu_ops.c")
+)
 # Not -ffast-math: a shared object linked with it runs crtfastmath's constructor on load, which
 # turns on flush-to-zero / denormals-are-zero for the whole process (every later float op in
 # torch and Python changes). These flags give the vectorized reductions without that.
@@ -100,6 +103,10 @@ def _build() -> ctypes.CDLL | None:
         fn.argtypes += [ctypes.c_void_p, ctypes.c_int64]
     lib.paged_decode_vector.restype = ctypes.c_int64
     lib.paged_decode_vector.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rope_f32.restype = lib.rms_norm_f32.restype = None
+    lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, p]
+    lib.rms_norm_f32.argtypes = [p, i64, p, i64, i64, ctypes.c_float, p]
     return lib
 
 

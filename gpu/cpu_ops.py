@@ -1,0 +1,57 @@
+"""The float32 forward's elementwise chains as single C passes (``gpu/cpu_ops.c``, built into the
+paged kernel's library): RoPE and RMSNorm. torch runs them as 4-8 ops each; at a batch-64 decode
+step that dispatch and allocation is most of their cost.
+
+Each function returns None where it does not apply (no library, CUDA, not float32, a layout it
+does not take), and the caller runs the torch expression instead. ``MINIRT_CPU_OPS=0`` turns
+them off (A/B). RoPE is bit-identical to the torch expression; RMSNorm equals it up to float
+rounding (a different summation order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gpu import paged_kernel
+
+_ON = os.environ.get("MINIRT_CPU_OPS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _lib(x: torch.Tensor):
+    if not _ON or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return paged_kernel.kernel()
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor | None:
+    """``x * cos[positions] + x.roll(D / 2, -1) * sin_signed[positions]`` for ``x`` of
+    ``[T, heads, D]`` (rows may be strided, each row's heads contiguous); tables ``[P, D]``."""
+    lib = _lib(x)
+    if lib is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return None
+    if not (cos.is_contiguous() and sin_signed.is_contiguous() and positions.dtype == torch.long):
+        return None
+    t, heads, d = x.shape
+    out = torch.empty(t, heads, d, dtype=x.dtype)
+    pos = positions.contiguous()
+    lib.rope_f32(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(),
+        t, heads, d, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * (x * rsqrt(mean(x * x, -1) + eps))`` for 2-D ``x`` with contiguous rows."""
+    lib = _lib(x)
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or weight.dtype != torch.float32:
+        return None
+    t, n = x.shape
+    out = torch.empty(t, n, dtype=x.dtype)
+    w = weight.contiguous()
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, out.data_ptr())
+    return out

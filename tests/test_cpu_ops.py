@@ -1,0 +1,48 @@
+"""The fused C passes of the float32 forward (gpu.cpu_ops) compute what the torch expressions
+they replace compute: RoPE bit for bit, RMSNorm up to float rounding; and they step aside
+(None) where they do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu import cpu_ops, paged_kernel
+
+pytestmark = pytest.mark.skipif(
+    paged_kernel.kernel() is None, reason="no C compiler: the kernels are not built here"
+)
+
+
+@pytest.mark.parametrize(("rows", "heads", "d"), [(1, 10, 64), (64, 10, 64), (700, 16, 128)])
+def test_rope_is_bit_identical_to_the_torch_expression(rows, heads, d):
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, heads + 3, d) * 3  # rope reads a strided slice of the qkv output
+    x = qkv[:, :heads]
+    pos = torch.randint(0, 4000, (rows,))
+    cos, sin = torch.randn(4096, d), torch.randn(4096, d)
+    want = x * cos[pos][:, None] + x.roll(d // 2, dims=-1) * sin[pos][:, None]
+    got = cpu_ops.rope(x, cos, sin, pos)
+    assert got is not None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 512), (64, 896), (300, 64)])
+def test_rms_norm_equals_torch_up_to_rounding(rows, n):
+    torch.manual_seed(n)
+    big = torch.randn(rows, n + 8) * 5
+    x = big[:, :n]  # rows with a stride, as the row tiles of the residual stream have
+    w = torch.randn(n)
+    got = cpu_ops.rms_norm(x, w, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, F.rms_norm(x, (n,), w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+def test_they_step_aside_where_they_do_not_apply():
+    x = torch.randn(4, 2, 64)
+    tab = torch.randn(16, 64)
+    pos = torch.arange(4)
+    assert cpu_ops.rope(x.bfloat16(), tab.bfloat16(), tab.bfloat16(), pos) is None
+    assert cpu_ops.rope(x.transpose(1, 2), tab, tab, pos) is None  # heads not contiguous
+    assert cpu_ops.rms_norm(x[:, 0].bfloat16(), torch.ones(64), 1e-6) is None
+    assert cpu_ops.rms_norm(x[:, 0, ::2], torch.ones(32), 1e-6) is None  # strided columns
