@@ -7,7 +7,8 @@ RSS and the compute-limit percentage (the workload's matmul FLOPs at the GEMM ra
 the executor runs, see ``actors.bench.compute``, divided by our wall time); one request alone
 (time per output token, time outside the forward); vLLM's CPU backend on the same prompts when
 its venv exists (``actors.bench.vllm_row``). ``--profile PATH`` writes torch.profiler's op table
-of our run; ``--json PATH`` also writes the results.
+of our run, and vLLM's worker's (the same prompts, its own torch.profiler) to PATH-vllm;
+``--json PATH`` also writes the results.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
     if a.quick:
         a.requests, a.new_tokens, a.skip_vllm = 8, 16, True
     return a
+
+
+def vllm_profile_path(ours: Path | None) -> Path | None:
+    """Where vLLM's op table goes beside ours (``X.txt`` -> ``X-vllm.txt``)."""
+    return None if ours is None else ours.with_name(f"{ours.stem}-vllm{ours.suffix or '.txt'}")
 
 
 def _peak_rss_mb() -> float:
@@ -271,8 +277,16 @@ def main(argv: list[str]) -> int:
                 dtype=a.dtype,
                 max_model_len=spec.max_model_len,
                 max_num_batched_tokens=a.vllm_batched_tokens,
+                profile=vllm_profile_path(a.profile),
             )
         )
+        theirs = vllm_profile_path(a.profile)
+        if theirs is not None and theirs.exists():
+            head = f"minirt bench executor {' '.join(argv)}: vLLM's worker, the same prompts"
+            theirs.write_text(
+                f"{head} (one untimed run under its torch profiler)\n\n{theirs.read_text()}"
+            )
+            print(f"profiles:   ours {a.profile}, vLLM's worker {theirs}")
     pad = int(spec.hf_config.pad_token_id or 0)
     if not (a.skip_hf and a.skip_cb):
         from transformers import AutoModelForCausalLM

@@ -62,11 +62,14 @@ def run(
     prefix_caching: bool = False,
     keep_outputs: bool = False,
     timeout: float = 3600,
+    profile: Path | None = None,
 ) -> VllmResult | Skipped:
     """Load vLLM once and time ``LLM.generate(prompts, max_tokens)`` for each ``(prompts,
     max_tokens)`` of ``runs`` (after a warm-up), greedy, EOS ignored. ``prefix_caching`` off by
     default: runs repeat prompts (a later run would skip their prefill), and the executor alone
-    has no prefix cache; on for comparisons with the whole pipeline, which has one."""
+    has no prefix cache; on for comparisons with the whole pipeline, which has one. ``profile``:
+    also run the first run once under torch.profiler in vLLM's worker (untimed) and write the
+    worker's op table (self CPU time) to this file."""
     py = python()
     if isinstance(py, Skipped):
         return py
@@ -78,7 +81,10 @@ def run(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "prefix_caching": prefix_caching,
-        "runs": [{"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs} for p, n in runs],
+        "runs": [
+            {"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs, "profile": i == 0}
+            for i, (p, n) in enumerate(runs)
+        ],
     }
     cores = sorted(os.sched_getaffinity(0))
     env = dict(
@@ -91,6 +97,8 @@ def run(
     env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
     with tempfile.TemporaryDirectory(prefix="minirt-vllm-") as d:
         job_path, out_path, log_path = Path(d) / "job.json", Path(d) / "out.json", Path(d) / "log"
+        if profile is not None:
+            job["profile_dir"] = str(Path(d) / "profile")
         job_path.write_text(json.dumps(job))
         with log_path.open("wb") as log:
             proc = subprocess.run(
@@ -105,6 +113,10 @@ def run(
             tail = log_path.read_text(errors="replace")[-1500:]
             return Skipped(f"vLLM exited with {proc.returncode}: ...{tail}")
         res = json.loads(out_path.read_text())
+        if profile is not None:
+            tables = sorted((Path(d) / "profile").glob("*profiler_out*.txt"))
+            body = "\n\n".join(f"{t.name}\n{t.read_text()}" for t in tables)
+            Path(profile).write_text(body or "vLLM wrote no op table\n")
     return VllmResult(
         res["load_s"],
         res["rss_mb"],
@@ -127,7 +139,7 @@ def bench_row(
     ``engine``: :func:`run`'s keywords."""
     got = run(
         model, [(prompts, new_tokens), ([prompts[0]], new_tokens)], keep_outputs=True, **engine
-    )
+    )  # engine may hold profile=PATH: vLLM's op table of the first run
     if isinstance(got, Skipped):
         print(f"vllm:       skipped: {got.reason}")
         return {"vllm_skipped": got.reason}

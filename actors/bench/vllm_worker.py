@@ -3,6 +3,8 @@
 Reads a JSON job (argv[1]): the engine's settings and a list of runs, each a list of token-id
 prompts and ``max_tokens``; loads ``vllm.LLM`` once, warms it up, then times each run's
 ``LLM.generate`` (greedy, EOS ignored, no detokenization). Writes the results as JSON (argv[2]).
+With ``profile_dir`` set, a run marked ``profile`` is first run once more under vLLM's torch
+profiler (untimed), which writes the worker's op table into that directory.
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ def main(job_path: str, out_path: str) -> int:
         skip_tokenizer_init=True,
         enable_prefix_caching=bool(job.get("prefix_caching", False)),
         seed=0,
+        # torch.profiler in the worker (CPU ops), its op table written on stop_profile
+        **(
+            {
+                "profiler_config": {
+                    "profiler": "torch",
+                    "torch_profiler_dir": job["profile_dir"],
+                    "torch_profiler_with_stack": False,
+                }
+            }
+            if job.get("profile_dir")
+            else {}
+        ),
     )
     load_s = time.perf_counter() - t0
 
@@ -70,6 +84,10 @@ def main(job_path: str, out_path: str) -> int:
     results = []
     peak, procs = _rss_mb()
     for run in job["runs"]:
+        if run.get("profile"):  # an extra, untimed run of the same prompts under the profiler
+            llm.start_profile()
+            generate(run["prompts"], run["max_tokens"])
+            llm.stop_profile()
         secs, outs = generate(run["prompts"], run["max_tokens"])
         rss, names = _rss_mb()
         if rss > peak:
