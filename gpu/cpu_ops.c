@@ -6,7 +6,9 @@
  * rope: x * cos + roll(x, D / 2) * sin_signed, each product rounded before the add (no FMA
  * contraction), so the result is bit-identical to the torch expression it replaces.
  * rms_norm: w * (x * rsqrt(mean(x * x) + eps)) per row, the sum of squares in float32 with a
- * vectorized (reassociated) sum: equal to torch's up to float rounding. */
+ * vectorized (reassociated) sum: equal to torch's up to float rounding.
+ * argmax: the greedy pick, the same index torch's max(dim).indices gives (first maximum; the
+ * first NaN if a row has one). */
 #include <math.h>
 #include <stdint.h>
 
@@ -48,4 +50,51 @@ void rms_norm_f32(const float *x, int64_t xs, const float *w, int64_t rows, int6
         float *o = out + t * n;
         for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xi[i] * r);
     }
+}
+
+/* per row of x ([rows, n] at row stride xs): the index of the first maximum, or of the first NaN
+   if the row has one (what torch's max(dim).indices returns) */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static int64_t argmax_row(const float *x, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0, nan = 0;
+    for (; i + 16 <= n && !nan; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        m = _mm512_max_ps(m, v);
+    }
+    float best = _mm512_reduce_max_ps(m);
+    for (int64_t j = i; j < n && !nan; j++) { /* the tail */
+        nan = x[j] != x[j];
+        if (x[j] > best) best = x[j];
+    }
+    if (nan) { /* the first NaN wins */
+        for (int64_t j = 0; j < n; j++)
+            if (x[j] != x[j]) return j;
+    }
+    __m512 b = _mm512_set1_ps(best);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), b, _CMP_EQ_OQ);
+        if (k) return j + __builtin_ctz(k);
+    }
+    for (; j < n; j++)
+        if (x[j] == best) return j;
+    return 0;
+}
+#else
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t bi = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (x[j] != x[j]) return j;
+        if (x[j] > x[bi]) bi = j;
+    }
+    return bi;
+}
+#endif
+
+void argmax_f32(const float *x, int64_t xs, int64_t rows, int64_t n, int64_t *out) {
+#pragma omp parallel for if (rows >= 8) schedule(static)
+    for (int64_t t = 0; t < rows; t++) out[t] = argmax_row(x + t * xs, n);
 }

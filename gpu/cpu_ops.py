@@ -1,5 +1,5 @@
 """The float32 forward's elementwise chains as single C passes (``gpu/cpu_ops.c``, built into the
-paged kernel's library): RoPE and RMSNorm. torch runs them as 4-8 ops each; at a batch-64 decode
+paged kernel's library): RoPE, RMSNorm and the greedy argmax. torch runs them as 4-8 ops each; at a batch-64 decode
 step that dispatch and allocation is most of their cost.
 
 Each function returns None where it does not apply (no library, CUDA, not float32, a layout it
@@ -54,4 +54,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty(t, n, dtype=x.dtype)
     w = weight.contiguous()
     lib.rms_norm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, out.data_ptr())
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """``logits.max(-1).indices`` for 2-D float32 ``logits`` with contiguous rows: the first
+    maximum of each row, or its first NaN."""
+    lib = _lib(logits)
+    if lib is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return None
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.long)
+    lib.argmax_f32(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
     return out

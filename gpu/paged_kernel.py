@@ -107,6 +107,8 @@ def _build() -> ctypes.CDLL | None:
     lib.rope_f32.restype = lib.rms_norm_f32.restype = None
     lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, p]
     lib.rms_norm_f32.argtypes = [p, i64, p, i64, i64, ctypes.c_float, p]
+    lib.argmax_f32.restype = None
+    lib.argmax_f32.argtypes = [p, i64, i64, i64, p]
     return lib
 
 

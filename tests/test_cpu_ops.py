@@ -46,3 +46,19 @@ def test_they_step_aside_where_they_do_not_apply():
     assert cpu_ops.rope(x.transpose(1, 2), tab, tab, pos) is None  # heads not contiguous
     assert cpu_ops.rms_norm(x[:, 0].bfloat16(), torch.ones(64), 1e-6) is None
     assert cpu_ops.rms_norm(x[:, 0, ::2], torch.ones(32), 1e-6) is None  # strided columns
+
+
+def test_argmax_is_torchs_max_index_ties_and_nan_included():
+    torch.manual_seed(0)
+    x = torch.randn(70, 32003)
+    x[3, 100] = x[3, 5000] = 1e9  # a tie: the first wins
+    x[4, 31999] = float("inf")
+    x[5, 7] = x[5, 32001] = float("nan")  # NaN wins, the first one
+    x[6, 32002] = float("nan")  # in the tail past the last full vector
+    x[7] = float("-inf")
+    x[8, :] = 0.0
+    x[8, 9] = -0.0
+    want = x.max(dim=-1).indices
+    got = cpu_ops.argmax(x)
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(cpu_ops.argmax(x[:, :9]), x[:, :9].max(dim=-1).indices)  # rows < 16
