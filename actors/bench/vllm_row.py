@@ -82,7 +82,8 @@ def run(
         "max_num_batched_tokens": max_num_batched_tokens,
         "prefix_caching": prefix_caching,
         "runs": [
-            {"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs, "profile": i == 0}
+            {"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs}
+            | ({"profile": True} if profile is not None and i == 0 else {})
             for i, (p, n) in enumerate(runs)
         ],
     }

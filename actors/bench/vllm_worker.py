@@ -84,7 +84,7 @@ def main(job_path: str, out_path: str) -> int:
     results = []
     peak, procs = _rss_mb()
     for run in job["runs"]:
-        if run.get("profile"):  # an extra, untimed run of the same prompts under the profiler
+        if run.get("profile") and job.get("profile_dir"):  # an extra, untimed run, profiled
             llm.start_profile()
             generate(run["prompts"], run["max_tokens"])
             llm.stop_profile()
