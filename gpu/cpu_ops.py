@@ -1,11 +1,11 @@
 """The float32 forward's elementwise chains as single C passes (``gpu/cpu_ops.c``, built into the
-paged kernel's library): RoPE, RMSNorm and the greedy argmax. torch runs them as 4-8 ops each; at a batch-64 decode
-step that dispatch and allocation is most of their cost.
+paged kernel's library): RoPE, RMSNorm and the greedy argmax. torch runs each as 1-8 ops; at a
+batch-64 decode step their dispatch and allocation is most of the cost.
 
 Each function returns None where it does not apply (no library, CUDA, not float32, a layout it
 does not take), and the caller runs the torch expression instead. ``MINIRT_CPU_OPS=0`` turns
-them off (A/B). RoPE is bit-identical to the torch expression; RMSNorm equals it up to float
-rounding (a different summation order).
+them off (A/B). RoPE and argmax are bit-identical to the torch expressions; RMSNorm equals
+them up to float rounding (a different summation order).
 """
 
 from __future__ import annotations

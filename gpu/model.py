@@ -7,6 +7,9 @@ gate/up into one matmul each and computes the LM head only for the rows that sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +23,8 @@ from gpu.loader import ModelSpec
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalize in float32, cast back, then scale.
 
-    For float32 the fused ``F.rms_norm`` gives bit-identical results in one op.
+    For float32: one C pass where :func:`gpu.cpu_ops.rms_norm` applies (equal up to float
+    rounding), else ``F.rms_norm`` (bit-identical).
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         fused = cpu_ops.rms_norm(x, weight, eps)  # one C pass where it applies
@@ -30,17 +34,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def rope(
-    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
+@dataclass
+class Rotary:
+    """One step's rotary inputs: the ``[max_pos, D]`` cos and signed-sin tables and the rows'
+    positions; the rows gathered from the tables (the torch path) once per step, on first use."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    positions: torch.Tensor
+
+    @cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.positions
+        return self.cos[p][:, None, :], self.sin_signed[p][:, None, :]
+
+
+def rope(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin`` computed as
     ``roll(x) * sin_signed`` (``sin_signed`` = sin with its first half negated): bit-identical,
-    fewer ops; in one C pass where :func:`gpu.cpu_ops.rope` applies (also bit-identical).
-    ``cos``/``sin_signed``: the ``[max_pos, D]`` tables, read at ``positions``."""
-    fused = cpu_ops.rope(x, cos, sin_signed, positions)
+    fewer ops; in one C pass where :func:`gpu.cpu_ops.rope` applies (also bit-identical)."""
+    fused = cpu_ops.rope(x, rot.cos, rot.sin_signed, rot.positions)
     if fused is not None:
         return fused
-    c, s = cos[positions][:, None, :], sin_signed[positions][:, None, :]
+    c, s = rot.rows
     return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
 
 
@@ -171,17 +187,17 @@ class LlamaFamilyModel:
         lo = x.dtype  # the linears' dtype; the residual stream x is float32 when mixed
         if self.mixed:
             x = x.float()
-        cos, sin = self.cos, self.sin_signed
+        rot = Rotary(self.cos, self.sin_signed, positions)
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln_in, eps).to(lo)
             qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
-                qk = rope(qkv[:, : nh + nkv], cos, sin, positions)
+                qk = rope(qkv[:, : nh + nkv], rot)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
-                q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), cos, sin, positions)
-                k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), cos, sin, positions)
+                q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), rot)
+                k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), rot)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
             # Row tiles of TILE_ROWS from here to the layer's end: the linears tile there anyway
             # (same kernels, same rounding), so the outputs add into x in place instead of being

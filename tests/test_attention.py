@@ -170,8 +170,8 @@ def test_paged_kernel_bodies_attend_like_sdpa(dtype, heads, kvh, d, bs):
     tables, rest = [], perm[20:]
     for i, n in enumerate(lens):
         need = -(-n // bs)
-        own = [rest.pop() for _ in range(need)]
-        t = (shared + own)[:need] if i % 2 and need > 20 else own
+        head = shared if i % 2 and need > 20 else []
+        t = head + [rest.pop() for _ in range(need - len(head))]
         tables.append(t + [0] * (width - len(t)))
     q = torch.randn(len(lens), heads, d).to(dtype)
     tab, ln = torch.tensor(tables), torch.tensor(lens)

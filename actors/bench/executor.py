@@ -267,6 +267,7 @@ def main(argv: list[str]) -> int:
     if not a.skip_vllm and dev.type == "cpu":
         from actors.bench.vllm_row import bench_row
 
+        theirs = vllm_profile_path(a.profile)
         res.update(
             bench_row(
                 model_dir,
@@ -277,10 +278,9 @@ def main(argv: list[str]) -> int:
                 dtype=a.dtype,
                 max_model_len=spec.max_model_len,
                 max_num_batched_tokens=a.vllm_batched_tokens,
-                profile=vllm_profile_path(a.profile),
+                profile=theirs,
             )
         )
-        theirs = vllm_profile_path(a.profile)
         if theirs is not None and theirs.exists():
             head = f"minirt bench executor {' '.join(argv)}: vLLM's worker, the same prompts"
             theirs.write_text(

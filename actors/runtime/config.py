@@ -190,8 +190,8 @@ class RuntimeConfig:
     actor_nice: int = field(
         default=0,
         metadata=doc(
-            "niceness of the scheduler, KV manager and front door processes: the executor's "
-            "threads go first when they compete for the cores (0: equal)"
+            "niceness of every actor but the executor (scheduler, KV manager, front door, HTTP "
+            "server): the executor's threads go first when they compete for the cores (0: equal)"
         ),
     )
 
