@@ -98,3 +98,61 @@ void argmax_f32(const float *x, int64_t xs, int64_t rows, int64_t n, int64_t *ou
 #pragma omp parallel for if (rows >= 8) schedule(static)
     for (int64_t t = 0; t < rows; t++) out[t] = argmax_row(x + t * xs, n);
 }
+
+/* silu_mul: the gated MLP's silu(gate) * up, from the gate_up output rows ([rows, 2F] at row
+   stride gs, gate in the first F columns) into a contiguous [rows, F], in float32 (bfloat16 rows
+   are widened first and the product rounded once, to nearest even). silu(x) = x * sigmoid(x),
+   sigmoid through exp(-|x|) so that exp never overflows: equal to torch's F.silu(g) * u up to
+   float rounding (a different exp). */
+static inline float silu_f(float x) {
+    float e = expf(-fabsf(x)), s = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    return x * s;
+}
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if (f != f) return 0x7FC0; /* a quiet NaN */
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float from_bf16(uint16_t b) {
+    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
+    return v.f;
+}
+#if defined(__AVX512F__)
+static inline __m512 vsilu(__m512 x) {
+    __m512 ax = _mm512_abs_ps(x);
+    __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), ax)), d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 num = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e);
+    return _mm512_mul_ps(x, _mm512_div_ps(num, d));
+}
+#endif
+
+void silu_mul_f32(const float *gu, int64_t gs, int64_t rows, int64_t F, float *out) {
+#pragma omp parallel for if (rows * F > 65536) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = gu + t * gs, *u = g + F;
+        float *o = out + t * F;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= F; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(vsilu(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#endif
+        for (; i < F; i++) o[i] = silu_f(g[i]) * u[i];
+    }
+}
+
+void silu_mul_bf16(const uint16_t *gu, int64_t gs, int64_t rows, int64_t F, uint16_t *out) {
+#pragma omp parallel for if (rows * F > 65536) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *g = gu + t * gs, *u = g + F;
+        uint16_t *o = out + t * F;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= F; i += 16) {
+            __m512 y = _mm512_mul_ps(vsilu(vld_bf16(g + i)), vld_bf16(u + i));
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+#endif
+        for (; i < F; i++) o[i] = to_bf16(silu_f(from_bf16(g[i])) * from_bf16(u[i]));
+    }
+}

@@ -1,11 +1,13 @@
 """The float32 forward's elementwise chains as single C passes (``gpu/cpu_ops.c``, built into the
-paged kernel's library): RoPE, RMSNorm and the greedy argmax. torch runs each as 1-8 ops; at a
-batch-64 decode step their dispatch and allocation is most of the cost.
+paged kernel's library): RoPE, RMSNorm, the gated MLP's SiLU-and-multiply and the greedy argmax.
+torch runs each as 1-8 ops; at a batch-64 decode step their dispatch and allocation is most of
+the cost, and torch's bfloat16 elementwise ops widen and round at every op.
 
 Each function returns None where it does not apply (no library, CUDA, not float32, a layout it
 does not take), and the caller runs the torch expression instead. ``MINIRT_CPU_OPS=0`` turns
-them off (A/B). RoPE and argmax are bit-identical to the torch expressions; RMSNorm equals
-them up to float rounding (a different summation order).
+them off (A/B). RoPE and argmax are bit-identical to the torch expressions; RMSNorm and
+SiLU-and-multiply equal them up to float rounding (a different summation order; a different
+exp).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from gpu import paged_kernel
 _ON = os.environ.get("MINIRT_CPU_OPS", "1").lower() not in ("0", "false", "no", "off")
 
 
-def _lib(x: torch.Tensor):
-    if not _ON or x.device.type != "cpu" or x.dtype != torch.float32:
+def _lib(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+    if not _ON or x.device.type != "cpu" or x.dtype not in dtypes:
         return None
     return paged_kernel.kernel()
 
@@ -66,4 +68,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.long)
     lib.argmax_f32(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` for ``gate_up`` = ``[rows, 2F]`` (gate first; rows may be strided,
+    each row contiguous), float32 or bfloat16 (computed in float32, rounded once)."""
+    lib = _lib(gate_up, (torch.float32, torch.bfloat16))
+    if lib is None or gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        return None
+    rows, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, f, dtype=gate_up.dtype)
+    fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
+    fn(gate_up.data_ptr(), gate_up.stride(0), rows, f, out.data_ptr())
     return out

@@ -83,8 +83,14 @@ class Executor:
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec
+        # the KV cache and the weights as loaded are in the attention block's dtype (float32
+        # for bfloat16 on CPU: see gpu.loader.attention_dtype)
+        self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
         self.model = LlamaFamilyModel(
-            spec, loader.load_weights(model_dir, self.dtype, self.device), self.device
+            spec,
+            loader.load_weights(model_dir, self.kv_dtype, self.device),
+            self.device,
+            self.dtype,
         )
         self.model.warm_up()
         self.vocab_size = spec.vocab_size
@@ -92,10 +98,10 @@ class Executor:
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
         self.block_size = block_size
         if num_blocks is None:
-            num_blocks = pool_blocks(spec, self.dtype, self.device, block_size, kv_memory)
+            num_blocks = pool_blocks(spec, self.kv_dtype, self.device, block_size, kv_memory)
         self.num_blocks = num_blocks
         self.kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.dtype
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.kv_dtype
         )
         self.cache = PagedKVCache(
             spec.num_layers,
@@ -103,7 +109,7 @@ class Executor:
             spec.head_dim,
             num_blocks,
             block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self._prefilling: dict[str, RequestState] = {}
@@ -253,7 +259,7 @@ class Executor:
             [(r.table, r.computed) for r in decodes],
             [(r.table, r.computed, c) for r, c in chunks],
             self.cache,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         dev = self.device

@@ -134,7 +134,7 @@ def resolve_num_blocks(cfg: RuntimeConfig) -> int:
     from gpu import loader
 
     device = loader.resolve_device(cfg.executor.device)
-    dtype = loader.resolve_dtype(cfg.executor.dtype, device)
+    dtype = loader.attention_dtype(loader.resolve_dtype(cfg.executor.dtype, device), device)
     return pool_blocks(
         loader.load_spec(cfg.model), dtype, device, cfg.kv.block_size, cfg.kv.kv_memory
     )

@@ -7,6 +7,7 @@ gate/up into one matmul each and computes the LM head only for the rows that sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -49,6 +50,16 @@ class Rotary:
         return self.cos[p][:, None, :], self.sin_signed[p][:, None, :]
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' gated MLP activation ``silu(gate) * up`` of the fused gate/up output; one C
+    pass where :func:`gpu.cpu_ops.silu_mul` applies (equal up to float rounding)."""
+    fused = cpu_ops.silu_mul(gate_up)
+    if fused is not None:
+        return fused
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 def rope(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin`` computed as
     ``roll(x) * sin_signed`` (``sin_signed`` = sin with its first half negated): bit-identical,
@@ -68,62 +79,88 @@ PLAIN_COPY_BUDGET = 512 << 20
 
 
 class _Layer:
-    def __init__(self, w: dict[str, torch.Tensor], p: str, pack: bool, plain: bool) -> None:
+    """One decoder layer's weights: the norms in ``norm_dt``, the attention block's linears as
+    loaded, the MLP's cast to ``mlp_dt`` (packing decided per dtype by ``pack``)."""
+
+    def __init__(
+        self,
+        w: dict[str, torch.Tensor],
+        p: str,
+        pack: Callable[[torch.dtype], bool],
+        plain: bool,
+        mlp_dt: torch.dtype,
+        norm_dt: torch.dtype,
+    ) -> None:
         a = p + "self_attn."
-        self.ln_in = w[p + "input_layernorm.weight"]
-        self.ln_post = w[p + "post_attention_layernorm.weight"]
+        self.ln_in = w[p + "input_layernorm.weight"].to(norm_dt)
+        self.ln_post = w[p + "post_attention_layernorm.weight"].to(norm_dt)
         biases = [w.get(a + n + "_proj.bias") for n in "qkv"]
         qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
-        self.qkv = Linear(torch.cat([w[a + n + "_proj.weight"] for n in "qkv"]), qkv_b, pack, plain)
-        self.o = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), pack, plain)
+        qkv = torch.cat([w[a + n + "_proj.weight"] for n in "qkv"])
+        self.qkv = Linear(qkv, qkv_b, pack(qkv.dtype), plain)
+        o = w[a + "o_proj.weight"]
+        self.o = Linear(o, w.get(a + "o_proj.bias"), pack(o.dtype), plain)
         self.q_norm = w.get(a + "q_norm.weight")
         self.k_norm = w.get(a + "k_norm.weight")
         m = p + "mlp."
         if any(m + n + "_proj.bias" in w for n in ("gate", "up", "down")):
             raise ValueError("MLP biases are not supported")
-        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
-        self.gate_up = Linear(gate_up, None, pack, plain)
-        self.down = Linear(w[m + "down_proj.weight"], None, pack, plain)
+        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).to(mlp_dt)
+        self.gate_up = Linear(gate_up, None, pack(mlp_dt), plain)
+        self.down = Linear(w[m + "down_proj.weight"].to(mlp_dt), None, pack(mlp_dt), plain)
 
 
 class LlamaFamilyModel:
     """Weights plus a functional forward; holds no per-request state."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+    ):
+        """``weights`` as :func:`gpu.loader.load_weights` gave them, in
+        :func:`gpu.loader.attention_dtype` of ``dtype`` (the model's dtype; default: the
+        weights')."""
         self.spec = spec
         self.embed = weights["model.embed_tokens.weight"]
-        self.norm = weights["model.norm.weight"]
+        dtype = dtype or self.embed.dtype
+        # the attention block runs in the weights' dtype (float32 for bfloat16 on CPU, see
+        # gpu.loader.attention_dtype), the MLP in ``dtype``
+        self.attn_dtype, self.mlp_dtype = self.embed.dtype, dtype
+        # bfloat16: the residual stream, the norms and the LM head stay float32 too: bfloat16's
+        # 8-bit mantissa in the residual sums and the logits is most of the drift from float32
+        # (docs/benchmarks/cpu-levers.md)
+        self.mixed = dtype == torch.bfloat16
+        norm_dt = torch.float32 if self.mixed else dtype
+        self.norm = weights["model.norm.weight"].to(norm_dt)
         head = weights.get("lm_head.weight")
         if head is None or spec.tie_word_embeddings:
             head = self.embed
-        pack = packing_enabled(device, self.embed.dtype)
-        # bfloat16 weights: the residual stream, the norms and the LM head stay float32 (the
-        # linears and attention run in bfloat16): bfloat16's 8-bit mantissa in the residual
-        # sums and the logits is most of the drift from float32 (docs/benchmarks/bf16-quality)
-        self.mixed = self.embed.dtype == torch.bfloat16
-        if self.mixed:
-            head = head.float()
-            self.norm = self.norm.float()
-            pack = packing_enabled(device, torch.float32)
+        head = head.to(norm_dt)  # the embedding itself where it already is float32
         # tied: the embedding keeps the plain weight resident anyway, so lone decodes use it
-        self.lm_head = Linear(head, None, pack, keep_plain=head is self.embed)
-        pack = packing_enabled(device, self.embed.dtype)
+        self.lm_head = Linear(
+            head, None, packing_enabled(device, head.dtype), keep_plain=head is self.embed
+        )
         layer_bytes = sum(
             t.numel() * t.element_size()
             for n, t in weights.items()
             if n.startswith("model.layers.")
         )
         plain = layer_bytes <= PLAIN_COPY_BUDGET
+
+        def pack(dt: torch.dtype) -> bool:
+            return packing_enabled(device, dt)
+
         self.layers = [
-            _Layer(weights, f"model.layers.{i}.", pack, plain) for i in range(spec.num_layers)
+            _Layer(weights, f"model.layers.{i}.", pack, plain, dtype, norm_dt)
+            for i in range(spec.num_layers)
         ]
-        if self.mixed:
-            for ly in self.layers:
-                ly.ln_in, ly.ln_post = ly.ln_in.float(), ly.ln_post.float()
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.cos, self.sin = self._rope_table(device, self.embed.dtype)
+        self.cos, self.sin = self._rope_table(device, self.attn_dtype)
         half = spec.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
@@ -184,12 +221,12 @@ class LlamaFamilyModel:
         d = spec.head_dim
         nh, nkv = spec.num_heads, spec.num_kv_heads
         x = F.embedding(input_ids, self.embed)
-        lo = x.dtype  # the linears' dtype; the residual stream x is float32 when mixed
         if self.mixed:
-            x = x.float()
+            x = x.float()  # the residual stream
+        lo = self.mlp_dtype
         rot = Rotary(self.cos, self.sin_signed, positions)
         for i, ly in enumerate(self.layers):
-            h = rms_norm(x, ly.ln_in, eps).to(lo)
+            h = rms_norm(x, ly.ln_in, eps).to(self.attn_dtype)
             qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
@@ -205,7 +242,6 @@ class LlamaFamilyModel:
             for r in range(0, t, TILE_ROWS):
                 xs = x[r : r + TILE_ROWS]  # a view: the adds below write into x
                 xs += ly.o(attn[r : r + TILE_ROWS])
-                gate, up = ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo)).chunk(2, dim=-1)
-                xs += ly.down(F.silu(gate).mul_(up))
+                xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
         h = rms_norm(x[logit_rows], self.norm, eps)
         return self.lm_head(h).float()

@@ -109,6 +109,10 @@ def _build() -> ctypes.CDLL | None:
     lib.rms_norm_f32.argtypes = [p, i64, p, i64, i64, ctypes.c_float, p]
     lib.argmax_f32.restype = None
     lib.argmax_f32.argtypes = [p, i64, i64, i64, p]
+    for name in ("silu_mul_f32", "silu_mul_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, i64, p]
     return lib
 
 

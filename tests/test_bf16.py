@@ -28,9 +28,14 @@ def test_bf16_teacher_forced_tracks_float32_transformers(tiny_models, arch):
 def test_cpu_default_stays_float32_and_bf16_is_packed(tiny_model):
     assert Executor(tiny_model, device="cpu", num_blocks=8).dtype == torch.float32
     ex = Executor(tiny_model, device="cpu", dtype="bfloat16", num_blocks=64)
-    assert ex.dtype == torch.bfloat16 and ex.cache.k[0].dtype == torch.bfloat16
-    if torch.backends.mkldnn.is_available():  # bf16 weights go through oneDNN, prepacked
-        assert all(ly.qkv.packed is not None for ly in ex.model.layers)
+    # bf16 on CPU: the MLP in bf16; the attention block, its KV cache, the residual stream, the
+    # norms and the (tied) LM head in fp32
+    assert ex.dtype == torch.bfloat16 and ex.cache.k[0].dtype == torch.float32
+    ly = ex.model.layers[0]
+    assert (ly.gate_up.dtype, ly.down.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (ly.qkv.dtype, ly.o.dtype, ex.model.lm_head.dtype) == (torch.float32,) * 3
+    if torch.backends.mkldnn.is_available():  # every linear goes through oneDNN, prepacked
+        assert all(x.packed is not None for x in (ly.qkv, ly.o, ly.gate_up, ly.down))
     ex.add_request("r", list(range(20, 60)), SamplingParams(max_tokens=8), list(range(4)))
     outs = []
     while ex.has_work():

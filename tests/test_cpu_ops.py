@@ -1,6 +1,6 @@
 """The fused C passes of the float32 forward (gpu.cpu_ops) compute what the torch expressions
-they replace compute: RoPE bit for bit, RMSNorm up to float rounding; and they step aside
-(None) where they do not apply."""
+they replace compute: RoPE bit for bit, RMSNorm and SiLU-and-multiply up to float rounding;
+and they step aside (None) where they do not apply."""
 
 from __future__ import annotations
 
@@ -38,6 +38,24 @@ def test_rms_norm_equals_torch_up_to_rounding(rows, n):
     torch.testing.assert_close(got, F.rms_norm(x, (n,), w, 1e-6), rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("rows", "f"), [(1, 4864), (64, 1408), (300, 37)])
+def test_silu_mul_equals_torch_up_to_rounding(rows, f):
+    torch.manual_seed(f)
+    big = torch.randn(rows, 2 * f + 5) * 4
+    big[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 90.0, -90.0, 30.0, -30.0])
+    gu = big[:, : 2 * f]  # strided rows, as a row tile of the gate/up output may be
+    gate, up = gu.chunk(2, dim=-1)
+    got = cpu_ops.silu_mul(gu)
+    assert got is not None and got.shape == (rows, f)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
+    # bfloat16 rows: computed in float32 and rounded once, so at most one bf16 rounding from the
+    # exact product (torch's two bf16 ops round twice)
+    got16 = cpu_ops.silu_mul(gu.bfloat16())
+    exact = F.silu(gate.bfloat16().float()) * up.bfloat16().float()
+    assert got16 is not None and got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), exact, rtol=2**-8, atol=1e-30)
+
+
 def test_they_step_aside_where_they_do_not_apply():
     x = torch.randn(4, 2, 64)
     tab = torch.randn(16, 64)
@@ -46,6 +64,9 @@ def test_they_step_aside_where_they_do_not_apply():
     assert cpu_ops.rope(x.transpose(1, 2), tab, tab, pos) is None  # heads not contiguous
     assert cpu_ops.rms_norm(x[:, 0].bfloat16(), torch.ones(64), 1e-6) is None
     assert cpu_ops.rms_norm(x[:, 0, ::2], torch.ones(32), 1e-6) is None  # strided columns
+    assert cpu_ops.silu_mul(x[:, 0].half()) is None
+    assert cpu_ops.silu_mul(x[:, 0, ::2]) is None  # strided columns
+    assert cpu_ops.silu_mul(x[:, 0, :63]) is None  # no even split into gate and up
 
 
 def test_argmax_is_torchs_max_index_ties_and_nan_included():

@@ -81,12 +81,12 @@ def ours_teacher_forced(
         return torch.log_softmax(lg.double(), -1)
 
     for i, p in enumerate(prompts):  # prefill, one request per forward
-        meta = build_metadata([], [(tables[i], 0, len(p))], ex.cache, ex.dtype, ex.device)
+        meta = build_metadata([], [(tables[i], 0, len(p))], ex.cache, ex.kv_dtype, ex.device)
         rows[i].append(forward(p, list(range(len(p))), meta, [len(p) - 1])[0])
     for j in range(max(len(f) for f in forced) - 1):  # decode the forced tokens
         live = [i for i, f in enumerate(forced) if j + 1 < len(f)]
         dec = [(tables[i], len(prompts[i]) + j) for i in live]
-        meta = build_metadata(dec, [], ex.cache, ex.dtype, ex.device)
+        meta = build_metadata(dec, [], ex.cache, ex.kv_dtype, ex.device)
         lp = forward(
             [forced[i][j] for i in live], [q for _, q in dec], meta, list(range(len(live)))
         )
