@@ -78,7 +78,9 @@ class ExecutorActor(RecoveryMixin, Actor):
             num_blocks=self.ex.num_blocks,
             block_size=self.ex.block_size,
             # the C kernel needs a C compiler where the executor runs (the image has one)
-            decode_attention="paged_kernel" if usable(self.ex.device, self.ex.kv_dtype) else "tensor",
+            decode_attention="paged_kernel"
+            if usable(self.ex.device, self.ex.kv_dtype)
+            else "tensor",
             **dataclasses.asdict(self.ex.budget),
         )
 
