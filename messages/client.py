@@ -77,4 +77,13 @@ class Final(Msg, tag="final"):
     preemptions: int = 0
 
 
-ClientInbound = Welcome | Accepted | Delta | Final | ErrorReply | Pong | HelloAck
+class Batch(Msg, tag="batch"):
+    """Several messages for one connection in one frame, in the order they were produced: what
+    one executor step made for that connection's requests (their ``delta``s, and the ``final``
+    of each that ended). Sent only for requests that asked (``Generate.batch``), and only when
+    a step has two or more messages for the connection."""
+
+    items: list[Delta | Final]
+
+
+ClientInbound = Welcome | Accepted | Delta | Final | Batch | ErrorReply | Pong | HelloAck

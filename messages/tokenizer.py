@@ -48,6 +48,9 @@ class Generate(Msg, tag="generate"):
     # Resuming a request after the service restarted: the token ids the client already received
     # (in order). The service continues after them: only new tokens are streamed.
     resume_ids: list[int] = []
+    # The client takes a step's messages for this connection batched into one ``Batch`` frame
+    # (the trio client does: one frame per step instead of one per token per stream).
+    batch: bool = False
 
 
 class Cancel(Msg, tag="cancel"):

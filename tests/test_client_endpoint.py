@@ -1,5 +1,6 @@
 """The front door's client endpoint without sockets: per-connection request ids, sends through the
-outbox, disconnects and idle probes, on trio's mock clock."""
+outbox, a step's messages batched for the clients that asked, disconnects and idle probes, on
+trio's mock clock."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import trio
 import trio.testing
 import zmq
 
+from messages import client as cm
 from messages.codec import Decoder
 from messages.common import Ping, Pong
 from messages.tokenizer import client_request_id
@@ -123,3 +125,51 @@ async def test_idle_clients_with_requests_are_probed_and_the_others_forgotten(mo
         ep.settle()  # (the reader, once it read what A sent)
         assert gone and gone[0][0].startswith("1@") and b"A" not in ep.clients
         nursery.cancel_scope.cancel()
+
+
+def _delta(rid: str, token: int) -> cm.Delta:
+    return cm.Delta(request_id=rid, text=f"t{token}", token_ids=[token])
+
+
+async def test_a_steps_messages_reach_a_client_that_asked_as_one_batch(autojump_clock):
+    ep, wire, _, _ = endpoint()
+    wire.decoder = Decoder(cm.ClientInbound)
+    ep.open(b"A", "1", batch=True)
+    ep.open(b"A", "2")  # one request asking is enough: the whole connection takes batches
+    ep.open(b"B", "1")  # B never asked
+    final = cm.Final(
+        request_id="2", finish_reason="length", usage=cm.Usage(3, 1), timings=cm.Timings()
+    )
+    with ep.batching():
+        ep.send(b"A", _delta("1", 5))
+        ep.send(b"B", _delta("1", 6))
+        ep.send(b"A", _delta("2", 7))
+        ep.send(b"A", final)
+        assert wire.sent[b"B"] == [_delta("1", 6)]  # sent at once, as before
+        assert b"A" not in wire.sent  # held until the step's end
+    assert wire.sent[b"A"] == [cm.Batch(items=[_delta("1", 5), _delta("2", 7), final])]
+    pong = Pong(actor="tokenizer", nonce=1)
+    with ep.batching():
+        ep.send(b"A", _delta("1", 8))
+        ep.send(b"A", pong)  # anything but a delta or final: what waits goes out first
+        ep.send(b"A", _delta("1", 9))
+    assert wire.sent[b"A"][1:] == [_delta("1", 8), pong, _delta("1", 9)]  # lone ones unwrapped
+    ep.send(b"A", _delta("1", 10))  # outside a batching step: at once
+    assert wire.sent[b"A"][-1] == _delta("1", 10)
+
+
+async def test_a_client_found_gone_in_a_step_is_sent_nothing_more(autojump_clock):
+    woken = []
+    ep, wire, gone, _ = endpoint(lambda: woken.append(True))
+    wire.decoder = Decoder(cm.ClientInbound)
+    ids = [ep.open(b"A", "1", batch=True), ep.open(b"A", "2")]
+    wire.gone.add(b"A")
+    with ep.batching():
+        ep.send(b"A", _delta("1", 5))
+        ep.send(b"A", _delta("2", 6))
+    assert woken == [True] and b"A" not in wire.sent  # the batch's send found it gone
+    with ep.batching():
+        ep.send(b"A", _delta("1", 7))  # leaving: dropped, not held
+    assert woken == [True]
+    ep.settle()
+    assert gone == [ids]

@@ -170,7 +170,7 @@ class TokenizerService(ResumingMixin, Actor):
             )
             self._refuse(ident, rid, ErrorCode.ACTOR_DEAD, why)
             return
-        internal = self.clients.open(ident, rid)
+        internal = self.clients.open(ident, rid, msg.batch)
         if internal is None:
             self._refuse(ident, rid, ErrorCode.INVALID, "request_id: already in use", "request_id")
             return
@@ -252,21 +252,23 @@ class TokenizerService(ResumingMixin, Actor):
     def handle(self, ident: bytes, msg: Any) -> None:
         if isinstance(msg, TokenBatch):
             now = trio.current_time()
-            for ev in msg.events:
-                live = self.live.get(ev.request_id)
-                if live is None:
-                    continue  # aborted or already ended by a stop string
-                delta, ending = live.stream.token(ev, now)
-                live.resume.progressed = True
-                self.clients.send(live.ident, delta)
-                if ev.request_id not in self.live:
-                    continue  # that send found the client gone, which aborted the request
-                if ending is not None:
-                    if ending.abort_upstream:
-                        self.send(
-                            "scheduler", Abort(request_id=live.internal_id, reason="stop_string")
-                        )
-                    self._finish(live, ending.finish_reason, ending.stop_reason)
+            with self.clients.batching():  # one frame per client that takes batches
+                for ev in msg.events:
+                    live = self.live.get(ev.request_id)
+                    if live is None:
+                        continue  # aborted or already ended by a stop string
+                    delta, ending = live.stream.token(ev, now)
+                    live.resume.progressed = True
+                    self.clients.send(live.ident, delta)
+                    if ev.request_id not in self.live:
+                        continue  # that send found the client gone, which aborted the request
+                    if ending is not None:
+                        if ending.abort_upstream:
+                            self.send(
+                                "scheduler",
+                                Abort(request_id=live.internal_id, reason="stop_string"),
+                            )
+                        self._finish(live, ending.finish_reason, ending.stop_reason)
         elif isinstance(msg, RequestAdmitted):
             live = self.live.get(msg.request_id)
             if live is not None:

@@ -16,13 +16,19 @@ runtime-wide id (``messages.tokenizer.scoped_request_id``) that no other request
 has (nor one of this connection's earlier requests under the same id, which the other actors may
 still be ending), and a client can only look up (and so cancel) its own.
 
+A client whose requests asked for it (``Generate.batch``) gets what one executor step made for
+it (``Delta``s, ``Final``s) as one ``Batch`` frame: the actor wraps its handling of a
+``TokenBatch`` in :meth:`ClientEndpoint.batching`. One frame per step instead of one per token per
+stream: W1's 4,096 tokens over 64 streams were ~4,500 sends.
+
 The socket stays in the actor: ``try_send(identity, frame)`` is given in.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +36,7 @@ import msgspec
 import trio
 
 from actors.runtime.outbox import Outbox
+from messages import client as cm
 from messages.codec import encode
 from messages.tokenizer import scoped_request_id
 
@@ -42,6 +49,7 @@ class Client:
     requests: dict[str, str] = field(default_factory=dict)  # client's id -> runtime-wide id
     last_send: float = 0.0  # trio clock
     leaving: bool = False  # gone, until ``settle`` (its frames still waiting are read first)
+    batches: bool = False  # takes a step's messages in one ``Batch`` frame (``Generate.batch``)
 
 
 class ClientEndpoint:
@@ -62,16 +70,19 @@ class ClientEndpoint:
         self._connections = itertools.count(1)
         self._requests = itertools.count(1)
         self.log = log
+        self._batch: dict[bytes, list[cm.Delta | cm.Final]] | None = None  # see ``batching``
 
     # ------------------------------------------------------------ requests
-    def open(self, ident: bytes, request_id: str) -> str | None:
+    def open(self, ident: bytes, request_id: str, batch: bool = False) -> str | None:
         """The runtime-wide id for the client's new ``request_id``, or None when the client
-        already has a request in flight under that id."""
+        already has a request in flight under that id. ``batch``: the client takes ``Batch``
+        frames from now on (see :meth:`batching`)."""
         client = self.clients.get(ident)
         if client is None:
             client = self.clients[ident] = Client(f"c{next(self._connections)}")
         if request_id in client.requests:
             return None
+        client.batches = client.batches or batch
         internal = scoped_request_id(request_id, f"{self._boot}.{next(self._requests)}")
         client.requests[request_id] = internal
         return internal
@@ -108,12 +119,42 @@ class ClientEndpoint:
 
     # ------------------------------------------------------------ sending
     def send(self, ident: bytes, msg: msgspec.Struct) -> None:
-        """Send ``msg`` to the client (queued behind earlier frames if its queue is full)."""
+        """Send ``msg`` to the client (queued behind earlier frames if its queue is full).
+        Inside :meth:`batching`, a ``Delta`` or ``Final`` for a client that takes batches waits
+        for the batch's end; anything else first sends what waits for that client."""
         client = self.clients.get(ident)
         if client is not None:
             if client.leaving:
                 return
             client.last_send = trio.current_time()
+            if self._batch is not None and client.batches:
+                if isinstance(msg, (cm.Delta, cm.Final)):
+                    self._batch.setdefault(ident, []).append(msg)
+                    return
+                self._flush(ident)
+        self.outbox.send(ident, encode(msg))
+
+    @contextmanager
+    def batching(self) -> Iterator[None]:
+        """Within: what is sent to each client that takes batches is held, and at the end sent
+        as one frame per client (a ``Batch``, or the message itself when there is one)."""
+        self._batch = {}
+        try:
+            yield
+        finally:
+            for ident in list(self._batch):
+                self._flush(ident)
+            self._batch = None
+
+    def _flush(self, ident: bytes) -> None:
+        assert self._batch is not None
+        held = self._batch.pop(ident, None)
+        if not held:
+            return
+        client = self.clients.get(ident)
+        if client is not None and client.leaving:
+            return  # found gone meanwhile: nothing more is sent to it
+        msg = held[0] if len(held) == 1 else cm.Batch(items=held)
         self.outbox.send(ident, encode(msg))
 
     def _gone(self, ident: bytes) -> None:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 import trio
 import zmq
 
@@ -44,7 +45,11 @@ class AsyncClient:
     or went silent) is not failed: once the service serves again the client resubmits it with
     the token ids it already received, and its stream goes on with the next token (a second
     ``Accepted`` is not yielded). After ``MAX_RESUMES`` lost connections it fails with
-    ``actor_dead``."""
+    ``actor_dead``.
+
+    Its requests ask for ``Batch`` frames (``Generate.batch``): the front door then sends what
+    one step made for this connection's streams as one frame, which the reader unpacks in
+    order, so each stream still sees one ``Delta`` per token."""
 
     def __init__(self, sock: ZSocket, resume: bool = True) -> None:
         self.sock = sock
@@ -75,21 +80,26 @@ class AsyncClient:
                 await self._fail_all(lost)
             if isinstance(msg, Pong):
                 continue
-            rid = getattr(msg, "request_id", None)
-            if rid is not None and rid in self._streams:
-                chan = self._streams[rid]
-                await chan.send(msg)
-                if isinstance(msg, (cm.Final, ErrorReply)):
-                    # only if still this stream's: during the send above the caller may have
-                    # ended it and started a new request under the same id
-                    if self._streams.get(rid) is chan:
-                        del self._streams[rid]
-                    await chan.aclose()
-            elif isinstance(msg, (cm.Welcome, HelloAck)) or (
-                isinstance(msg, ErrorReply) and rid is None
-            ):
-                await self._control.send(msg)
-            # late messages of finished requests are ignored
+            for item in msg.items if isinstance(msg, cm.Batch) else (msg,):
+                await self._deliver(item)
+
+    async def _deliver(self, msg: Any) -> None:
+        """One message to the stream it belongs to (or the handshake's channel)."""
+        rid = getattr(msg, "request_id", None)
+        if rid is not None and rid in self._streams:
+            chan = self._streams[rid]
+            await chan.send(msg)
+            if isinstance(msg, (cm.Final, ErrorReply)):
+                # only if still this stream's: during the send above the caller may have
+                # ended it and started a new request under the same id
+                if self._streams.get(rid) is chan:
+                    del self._streams[rid]
+                await chan.aclose()
+        elif isinstance(msg, (cm.Welcome, HelloAck)) or (
+            isinstance(msg, ErrorReply) and rid is None
+        ):
+            await self._control.send(msg)
+        # late messages of finished requests are ignored
 
     async def _fail_all(self, reason: str) -> None:
         """The connection is lost: tell every open stream, which resumes or fails (``stream``)."""
@@ -157,6 +167,8 @@ class AsyncClient:
         """Yield the server's messages for one request (Accepted, Delta..., Final).
         Raises ``RequestError`` on an error reply. Cancelling the iteration cancels the request."""
         req = request or build_generate(**kwargs)
+        if not req.batch:  # this client unpacks Batch frames (_reader)
+            req = msgspec.structs.replace(req, batch=True)
         send, recv = trio.open_memory_channel[Any](1024)
         self._streams[req.request_id] = send
         self.watch.opened(trio.current_time())

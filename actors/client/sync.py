@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import zmq
 
 from actors.client.aio import connect
@@ -110,6 +111,8 @@ class SyncClient:
 
     def stream(self, request: Generate | None = None, **kwargs: Any) -> Iterator[Any]:
         req = request or build_generate(**kwargs)
+        if req.batch:  # one request at a time: nothing to batch, and no Batch frames to unpack
+            req = msgspec.structs.replace(req, batch=False)
         self.sock.send(encode(req))
         self.watch.opened(time.monotonic())
         done = False
