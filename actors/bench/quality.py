@@ -6,8 +6,9 @@ transformers (float32) generates each reference greedily; then our model, in ``-
 through the paged KV cache (batched over all requests, the executor's decode path), so every
 position is judged on the same context. Reported: the share of positions whose top-1 token equals
 transformers' (target >= 97% for bfloat16), and the mean |logprob difference| of transformers'
-token (``|log p_ours(t) - log p_hf(t)|`` with ``t`` transformers' greedy token). ``--json PATH``
-also writes the results.
+token (``|log p_ours(t) - log p_hf(t)|`` with ``t`` transformers' greedy token). vLLM's CPU
+backend in the same dtype is judged on the same positions (its venv, as the other vLLM rows;
+``--skip-vllm`` leaves it out). ``--json PATH`` also writes the results.
 """
 
 from __future__ import annotations
@@ -112,9 +113,44 @@ def agreement(ref: list[torch.Tensor], ours: list[torch.Tensor]) -> Agreement:
 def compare(
     model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: str, threads: int = 2
 ) -> Agreement:
-    ref = reference(model_dir, prompts, new_tokens)
+    return compare_ref(
+        model_dir, prompts, reference(model_dir, prompts, new_tokens), dtype, threads
+    )
+
+
+def compare_ref(
+    model_dir: Path, prompts: list[list[int]], ref: list[torch.Tensor], dtype: str, threads: int
+) -> Agreement:
     forced = [r.argmax(-1).tolist() for r in ref]
     return agreement(ref, ours_teacher_forced(model_dir, prompts, forced, dtype, threads))
+
+
+def vllm_agreement(
+    model_dir: Path, prompts: list[list[int]], ref: list[torch.Tensor], dtype: str
+) -> Agreement | str:
+    """vLLM's CPU backend in ``dtype`` on the same positions: each prompt followed by
+    transformers' greedy tokens, scored in one prefill (``prompt_logprobs``), so every position
+    is judged on the same context as ours; or why it was skipped."""
+    from actors.bench import vllm_row
+
+    forced = [r.argmax(-1).tolist() for r in ref]
+    got = vllm_row.score(
+        model_dir, [p + f for p, f in zip(prompts, forced, strict=True)], dtype=dtype
+    )
+    if isinstance(got, vllm_row.Skipped):
+        return got.reason
+    n = eq = 0
+    diffs: list[float] = []
+    for p, f, r, rows in zip(prompts, forced, ref, got, strict=True):
+        for k, tok in enumerate(f):
+            entry = rows[len(p) + k]
+            assert entry is not None
+            rank, lp = entry
+            n += 1
+            eq += int(rank == 1)
+            diffs.append(abs(lp - float(r[k, tok])))
+    d = torch.tensor(diffs)
+    return Agreement(n, eq, float(d.mean()), float(d.max()))
 
 
 def main(argv: list[str]) -> int:
@@ -128,12 +164,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--skip-vllm", action="store_true", help="skip vLLM's row")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     spec = load_spec(a.model)
     prompts = workload(a.requests, 32, 256, spec.vocab_size, 0)  # W1's prompts
-    res = compare(a.model, prompts, a.new_tokens, a.dtype, a.threads)
-    out = {
+    ref = reference(a.model, prompts, a.new_tokens)
+    res = compare_ref(a.model, prompts, ref, a.dtype, a.threads)
+    out: dict[str, object] = {
         "model": str(a.model),
         "dtype": a.dtype,
         "requests": a.requests,
@@ -147,6 +185,22 @@ def main(argv: list[str]) -> int:
         f"equal {100 * res.top1_rate:.2f}%, mean |logprob diff| {res.mean_abs_logprob_diff:.4f} "
         f"(max {res.max_abs_logprob_diff:.3f})"
     )
+    if not a.skip_vllm:
+        v = vllm_agreement(a.model, prompts, ref, a.dtype)
+        if isinstance(v, str):
+            print(f"vllm: skipped: {v[:300]}")
+            out["vllm_skipped"] = v
+        else:
+            out.update(
+                vllm_top1_equal_rate=v.top1_rate,
+                vllm_mean_abs_logprob_diff=v.mean_abs_logprob_diff,
+                vllm_max_abs_logprob_diff=v.max_abs_logprob_diff,
+            )
+            print(
+                f"vLLM {a.dtype} (its prefill, prompt_logprobs), same positions: top-1 equal "
+                f"{100 * v.top1_rate:.2f}%, mean |logprob diff| {v.mean_abs_logprob_diff:.4f} "
+                f"(max {v.max_abs_logprob_diff:.3f})"
+            )
     if a.json is not None:
         a.json.write_text(json.dumps(out, indent=2))
     return 0

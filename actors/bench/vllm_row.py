@@ -81,17 +81,34 @@ def run(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "prefix_caching": prefix_caching,
+        "kv_gib": kv_gib,
         "runs": [
             {"prompts": p, "max_tokens": n, "keep_outputs": keep_outputs}
             | ({"profile": True} if profile is not None and i == 0 else {})
             for i, (p, n) in enumerate(runs)
         ],
     }
+    res = _worker(py, job, timeout, profile)
+    if isinstance(res, Skipped):
+        return res
+    return VllmResult(
+        res["load_s"],
+        res["rss_mb"],
+        [r["seconds"] for r in res["runs"]],
+        [r["outputs"] for r in res["runs"]],
+        res.get("rss_processes", []),
+    )
+
+
+def _worker(
+    py: Path, job: dict[str, Any], timeout: float, profile: Path | None = None
+) -> dict[str, Any] | Skipped:
+    """Run ``job`` in vLLM's venv (``vllm_worker.py``, every core bound); its JSON result."""
     cores = sorted(os.sched_getaffinity(0))
     env = dict(
         os.environ,
         VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
-        VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+        VLLM_CPU_KVCACHE_SPACE=str(job.pop("kv_gib", 4)),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
@@ -110,21 +127,47 @@ def run(
                 timeout=timeout,
                 check=False,
             )
-        if proc.returncode != 0 or not out_path.exists():
+        # the results are written before vLLM shuts down; its shutdown sometimes aborts
+        # ("terminate called without an active exception") after a complete run
+        try:
+            res: dict[str, Any] = json.loads(out_path.read_text())
+        except (OSError, ValueError):
             tail = log_path.read_text(errors="replace")[-1500:]
             return Skipped(f"vLLM exited with {proc.returncode}: ...{tail}")
-        res = json.loads(out_path.read_text())
         if profile is not None:
             tables = sorted((Path(d) / "profile").glob("*profiler_out*.txt"))
             body = "\n\n".join(f"{t.name}\n{t.read_text()}" for t in tables)
             Path(profile).write_text(body or "vLLM wrote no op table\n")
-    return VllmResult(
-        res["load_s"],
-        res["rss_mb"],
-        [r["seconds"] for r in res["runs"]],
-        [r["outputs"] for r in res["runs"]],
-        res.get("rss_processes", []),
-    )
+    return res
+
+
+def score(
+    model: Path,
+    sequences: list[list[int]],
+    *,
+    dtype: str = "bfloat16",
+    max_model_len: int = 4096,
+    timeout: float = 3600,
+) -> list[list[tuple[int, float] | None]] | Skipped:
+    """vLLM (in ``dtype``) under teacher forcing: per sequence and position, the rank (1 = its
+    top-1) and logprob of the token the sequence has there, from one prefill of the whole
+    sequence (``prompt_logprobs``); None at position 0."""
+    py = python()
+    if isinstance(py, Skipped):
+        return py
+    job = {
+        "model": str(Path(model).absolute()),
+        "dtype": dtype,
+        "block_size": 64,
+        "max_model_len": max_model_len,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "score": sequences,
+    }
+    res = _worker(py, job, timeout)
+    if isinstance(res, Skipped):
+        return res
+    return [[(int(x[0]), float(x[1])) if x else None for x in seq] for seq in res["scored"]]
 
 
 def bench_row(

@@ -3,6 +3,9 @@
 Reads a JSON job (argv[1]): the engine's settings and a list of runs, each a list of token-id
 prompts and ``max_tokens``; loads ``vllm.LLM`` once, warms it up, then times each run's
 ``LLM.generate`` (greedy, EOS ignored, no detokenization). Writes the results as JSON (argv[2]).
+With ``score`` set instead (a list of token-id sequences), it scores each sequence under teacher
+forcing: the rank and logprob, at every position, of the token the sequence has there
+(``prompt_logprobs``).
 With ``profile_dir`` set, a run marked ``profile`` is first run once more under vLLM's torch
 profiler (untimed), which writes the worker's op table into that directory.
 """
@@ -53,7 +56,8 @@ def main(job_path: str, out_path: str) -> int:
         max_model_len=job["max_model_len"],
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],
-        skip_tokenizer_init=True,
+        # scoring returns prompt logprobs, which vLLM decodes with the model's tokenizer
+        skip_tokenizer_init=not job.get("score"),
         enable_prefix_caching=bool(job.get("prefix_caching", False)),
         seed=0,
         # torch.profiler in the worker (CPU ops), its op table written on stop_profile
@@ -81,6 +85,25 @@ def main(job_path: str, out_path: str) -> int:
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
     generate([list(range(16, 48))] * 4, 4)  # warm-up: compile and first-call costs
+    if job.get("score"):  # teacher forcing: each sequence's own tokens, scored by its prefill
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": q} for q in job["score"]],
+            params,
+            use_tqdm=False,  # type: ignore[arg-type]
+        )
+        scored = []
+        for q, o in zip(job["score"], outs, strict=True):
+            rows = o.prompt_logprobs or []  # position i: the distribution that predicted q[i]
+            scored.append(
+                [
+                    [row[t].rank, row[t].logprob] if row else None
+                    for t, row in zip(q, rows, strict=False)
+                ]
+            )
+        with open(out_path, "w") as f:
+            json.dump({"load_s": load_s, "scored": scored}, f)
+        return 0
     results = []
     peak, procs = _rss_mb()
     for run in job["runs"]:
