@@ -16,7 +16,8 @@ import trio
 
 from actors.client import open_client
 from messages import client as cm
-from tests.runtime import kv_stats, start_runtime, wait_until
+from messages import executor as xm
+from tests.runtime import kv_stats, query, start_runtime, wait_until
 
 N = 32
 # chunked prefill of long prompts (several steps each), a batch cap that keeps some waiting,
@@ -97,11 +98,19 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
         steps = Steps(rt.run_dir / "events" / "executor.jsonl")
         reference = await run_all(rt, reqs)  # uninterrupted
         assert all(len(reference[r["request_id"]]) == r["max_tokens"] for r in reqs)
+
         # The kill comes after a random number of the executor's steps, counted from its own
         # log: a client's tokens can lag far behind on a busy machine (the tiny model ends the
         # whole workload in well under a second), so a count of streamed tokens could land
         # after everything ran.
-        took = steps.count()
+        # the executor logs a step after sending its tokens, so the streams can end before its
+        # last steps are in the log: count once it is idle and its log has every step it made
+        async def settled() -> int | None:
+            x = await query(rt.actor_endpoint("executor"), xm.Stats(), xm.ExecutorStats)
+            n = steps.count()
+            return n if x.running == 0 and n >= x.steps else None
+
+        took = await wait_until(settled, timeout=30)
         # (the second run is shorter: its prompts are in the prefix cache)
         kill_at = took + random.Random(seed).randint(took // 16, took // 5)
         if victim == "kv_manager":
