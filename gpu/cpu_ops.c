@@ -108,15 +108,6 @@ static inline float silu_f(float x) {
     float e = expf(-fabsf(x)), s = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
     return x * s;
 }
-static inline uint16_t to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if (f != f) return 0x7FC0; /* a quiet NaN */
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-static inline float from_bf16(uint16_t b) {
-    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
-    return v.f;
-}
 #if defined(__AVX512F__)
 static inline __m512 vsilu(__m512 x) {
     __m512 ax = _mm512_abs_ps(x);
@@ -153,6 +144,6 @@ void silu_mul_bf16(const uint16_t *gu, int64_t gs, int64_t rows, int64_t F, uint
             _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
         }
 #endif
-        for (; i < F; i++) o[i] = to_bf16(silu_f(from_bf16(g[i])) * from_bf16(u[i]));
+        for (; i < F; i++) st_bf16(o, i, silu_f(ld_bf16(g, i)) * ld_bf16(u, i)); /* paged_decode.c's */
     }
 }

@@ -7,7 +7,6 @@ gate/up into one matmul each and computes the LM head only for the rows that sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -80,17 +79,21 @@ PLAIN_COPY_BUDGET = 512 << 20
 
 class _Layer:
     """One decoder layer's weights: the norms in ``norm_dt``, the attention block's linears as
-    loaded, the MLP's cast to ``mlp_dt`` (packing decided per dtype by ``pack``)."""
+    loaded, the MLP's cast to ``mlp_dt``; each linear packed where its dtype is packed on
+    ``device``."""
 
     def __init__(
         self,
         w: dict[str, torch.Tensor],
         p: str,
-        pack: Callable[[torch.dtype], bool],
+        device: torch.device,
         plain: bool,
         mlp_dt: torch.dtype,
         norm_dt: torch.dtype,
     ) -> None:
+        def pack(dt: torch.dtype) -> bool:
+            return packing_enabled(device, dt)
+
         a = p + "self_attn."
         self.ln_in = w[p + "input_layernorm.weight"].to(norm_dt)
         self.ln_post = w[p + "post_attention_layernorm.weight"].to(norm_dt)
@@ -149,12 +152,8 @@ class LlamaFamilyModel:
             if n.startswith("model.layers.")
         )
         plain = layer_bytes <= PLAIN_COPY_BUDGET
-
-        def pack(dt: torch.dtype) -> bool:
-            return packing_enabled(device, dt)
-
         self.layers = [
-            _Layer(weights, f"model.layers.{i}.", pack, plain, dtype, norm_dt)
+            _Layer(weights, f"model.layers.{i}.", device, plain, dtype, norm_dt)
             for i in range(spec.num_layers)
         ]
         self.q_size = spec.num_heads * spec.head_dim

@@ -23,6 +23,10 @@ static inline void st_f32(void *p, int64_t i, float v) { ((float *)p)[i] = v; }
 static inline void st_bf16(void *p, int64_t i, float v) {
     uint32_t u;
     __builtin_memcpy(&u, &v, 4);
+    if (v != v) { /* a NaN stays a (quiet) NaN: the rounding below could carry it into -0 */
+        ((uint16_t *)p)[i] = 0x7FC0;
+        return;
+    }
     u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
     ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
 }

@@ -56,6 +56,14 @@ def test_silu_mul_equals_torch_up_to_rounding(rows, f):
     torch.testing.assert_close(got16.float(), exact, rtol=2**-8, atol=1e-30)
 
 
+def test_silu_mul_keeps_nan_in_bf16_vector_and_tail_lanes():
+    gu = torch.ones(2, 2 * 21)  # 21 columns: one vector of 16 and a tail of 5
+    gu[0, 3] = gu[1, 20] = float("nan")
+    got = cpu_ops.silu_mul(gu.bfloat16())
+    assert got is not None
+    assert got.isnan().nonzero().tolist() == [[0, 3], [1, 20]]
+
+
 def test_they_step_aside_where_they_do_not_apply():
     x = torch.randn(4, 2, 64)
     tab = torch.randn(16, 64)

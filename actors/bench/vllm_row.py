@@ -73,13 +73,7 @@ def run(
     py = python()
     if isinstance(py, Skipped):
         return py
-    job = {
-        "model": str(Path(model).absolute()),
-        "dtype": dtype,
-        "block_size": 64,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
+    job = _engine(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens) | {
         "prefix_caching": prefix_caching,
         "kv_gib": kv_gib,
         "runs": [
@@ -98,6 +92,24 @@ def run(
         [r["outputs"] for r in res["runs"]],
         res.get("rss_processes", []),
     )
+
+
+def _engine(
+    model: Path,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> dict[str, Any]:
+    """The engine settings of a worker job (block size 64, as vLLM's CPU backend prefers)."""
+    return {
+        "model": str(Path(model).absolute()),
+        "dtype": dtype,
+        "block_size": 64,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
 
 
 def _worker(
@@ -155,15 +167,7 @@ def score(
     py = python()
     if isinstance(py, Skipped):
         return py
-    job = {
-        "model": str(Path(model).absolute()),
-        "dtype": dtype,
-        "block_size": 64,
-        "max_model_len": max_model_len,
-        "max_num_seqs": 256,
-        "max_num_batched_tokens": 8192,
-        "score": sequences,
-    }
+    job = _engine(model, dtype, max_model_len) | {"score": sequences}
     res = _worker(py, job, timeout)
     if isinstance(res, Skipped):
         return res
