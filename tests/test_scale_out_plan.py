@@ -186,3 +186,29 @@ def test_kubernetes_manifest_finds_the_replicas_it_runs_with_the_launchers_setti
     ):
         assert args[flag] == launcher[launcher.index(f"--{flag}") + 1], flag
     assert args["api-key"] == "$(MINIRT_API_KEY)"
+
+
+def test_health_poll_reads_a_non_http_answer_as_nothing_answering():
+    """A loopback connect to a port nobody listens on yet can meet itself (TCP self-connect) and
+    read back its own request line; the launcher's health poll must see "not up yet" and go on
+    polling, not crash the launch."""
+    import socket
+    import threading
+
+    from actors.launch.router import http_get
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def echo() -> None:  # answers with the request itself, as a self-connected socket does
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))
+
+    t = threading.Thread(target=echo)
+    t.start()
+    try:
+        assert http_get(f"http://127.0.0.1:{port}/health", timeout=5.0) == (0, b"")
+    finally:
+        t.join(timeout=5)
+        srv.close()

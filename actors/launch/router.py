@@ -8,6 +8,7 @@ What the router asks of a worker, with evidence, is in docs/scale-out.md.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -151,7 +152,9 @@ def http_get(url: str, api_key: str = "", timeout: float = 2.0) -> tuple[int, by
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as e:
         return int(e.code), e.read()
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
+        # HTTPException: no HTTP answer, e.g. BadStatusLine "GET /health HTTP/1.1" when the
+        # connect to a port nobody listens on yet met itself (a TCP self-connect on loopback)
         return 0, b""
 
 
