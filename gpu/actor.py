@@ -2,7 +2,8 @@
 
 Each iteration drains the inbox without waiting (runs, block grants, preemptions, aborts), runs
 one mixed prefill/decode step, publishes the step's tokens to the tokenizer service and request
-ends to the scheduler, and asks the KV manager for blocks *ahead of need* (one block of
+ends to the scheduler (the prompts a step completes as soon as it is planned: ``PrefillDone``,
+so that requests sharing their prefix are admitted while its forward runs), and asks the KV manager for blocks *ahead of need* (one block of
 lookahead), so a step never waits on a round trip. It blocks only when it has nothing to run.
 
 A constrained request (``params.structured``) whose constraint is not in the executor's grammar
@@ -13,6 +14,7 @@ a preemption or abort meanwhile is answered at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -92,6 +94,7 @@ class ExecutorActor(RecoveryMixin, Actor):
         nursery.start_soon(super().main_loop)
 
     async def main_loop(self) -> None:
+        step = self._step_fn()
         while True:
             t0 = time.perf_counter()
             while self.mailbox:
@@ -105,7 +108,7 @@ class ExecutorActor(RecoveryMixin, Actor):
                 await self.wake.wait()
                 continue
             t1 = time.perf_counter()
-            result = await self.run_step(self.ex.step)
+            result = await self.run_step(step)
             t2 = time.perf_counter()
             self._publish(result)
             t3 = time.perf_counter()
@@ -132,6 +135,30 @@ class ExecutorActor(RecoveryMixin, Actor):
                     decode_ctx=result.decode_ctx,
                     prefill_ctx=result.prefill_ctx,
                 )
+
+    def _step_fn(self) -> Callable[[], StepResult]:
+        """One step, as ``run_step`` runs it (in a worker thread or on the main thread): the
+        planned prompts reach ``_prefills_planned`` back on trio's thread."""
+        token = trio.lowlevel.current_trio_token()
+
+        def planned(rids: list[str]) -> None:
+            try:
+                token.run_sync_soon(self._prefills_planned, rids)
+            except trio.RunFinishedError:
+                pass  # shutting down
+
+        return functools.partial(self.ex.step, on_planned=planned)
+
+    def _prefills_planned(self, rids: list[str]) -> None:
+        """The step just planned completes these prompts: tell the scheduler now, while the
+        forward runs, so that the requests it held back for their prefix are admitted in time
+        for the next step (``PrefillDone``). Safe: whatever arrives during a step waits in the
+        mailbox for the next one, which starts after the forward has written that KV (a
+        forward that raises ends this process, and the KV manager then drops its cache)."""
+        for rid in rids:
+            fl = self.flight.get(rid)
+            if fl is not None:
+                self.send("scheduler", PrefillDone(request_id=rid, attempt=fl.attempt))
 
     # -------------------------------------------------------------- inbound
     def handle(self, ident: bytes, msg: Any) -> None:
@@ -322,8 +349,7 @@ class ExecutorActor(RecoveryMixin, Actor):
                     "executor.prefill_done",
                     request_id=rid,
                     ttft_s=round(time.monotonic() - fl.started, 6),
-                )
-                self.send("scheduler", PrefillDone(request_id=rid, attempt=fl.attempt))
+                )  # (its PrefillDone went out when the step was planned: _prefills_planned)
             if out.finish_reason is not None:
                 self.flight.pop(rid)
                 kv_tokens = fl.prompt + fl.outputs[:-1]

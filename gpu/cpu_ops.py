@@ -1,5 +1,6 @@
 """The float32 forward's elementwise chains as single C passes (``gpu/cpu_ops.c``, built into the
-paged kernel's library): RoPE, RMSNorm, the gated MLP's SiLU-and-multiply and the greedy argmax.
+paged kernel's library): RoPE, RMSNorm, the gated MLP's SiLU-and-multiply, the greedy argmax
+and the KV cache write.
 torch runs each as 1-8 ops; at a batch-64 decode step their dispatch and allocation is most of
 the cost, and torch's bfloat16 elementwise ops widen and round at every op.
 
@@ -82,3 +83,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
     fn(gate_up.data_ptr(), gate_up.stride(0), rows, f, out.data_ptr())
     return out
+
+
+def kv_write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> bool:
+    """``cache.index_copy_(1, slots, x.transpose(0, 1))`` for a contiguous ``cache`` of
+    ``[heads, num_slots, D]`` and ``x`` of ``[n, heads, D]`` (rows and heads may be strided, each
+    vector contiguous), float32 or bfloat16: an exact copy. False where it does not apply."""
+    lib = _lib(x, (torch.float32, torch.bfloat16))
+    if lib is None or x.dim() != 3 or x.stride(2) != 1 or cache.dtype != x.dtype:
+        return False
+    if not cache.is_contiguous() or cache.shape[0] != x.shape[1] or cache.shape[2] != x.shape[2]:
+        return False
+    if slots.dtype != torch.long or slots.dim() != 1 or slots.shape[0] != x.shape[0]:
+        return False
+    es = x.element_size()
+    s = slots.contiguous()
+    heads, num_slots, d = cache.shape
+    bad = lib.kv_write(
+        x.data_ptr(), x.stride(0) * es, x.stride(1) * es, s.data_ptr(), x.shape[0],
+        heads, d * es, num_slots, cache.data_ptr(),
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"{bad} KV slot(s) outside the cache's {num_slots} slots")
+    return True

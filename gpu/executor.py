@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -231,14 +232,22 @@ class Executor:
 
     # ---- stepping -----------------------------------------------------------------------
 
-    def step(self) -> StepResult:
-        """Run one forward over the scheduled decodes and prefill chunks; see the module doc."""
+    def step(self, on_planned: Callable[[list[str]], None] | None = None) -> StepResult:
+        """Run one forward over the scheduled decodes and prefill chunks; see the module doc.
+
+        ``on_planned``, if given, is called once the step is planned, before the forward, with
+        the requests whose prompt this step completes: their prompt KV is in the cache once
+        the step returns (whatever else happens in it; a forward that raises raises here)."""
         t0 = time.perf_counter()
         bs = self.block_size
         plan = plan_step(self._decoding.values(), self._prefilling.values(), self.budget, bs)
         decodes, chunks, skipped = plan.decodes, plan.chunks, plan.skipped
         if not decodes and not chunks:
             return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
+        if on_planned is not None:
+            finals = [r.rid for r, c in chunks if r.computed + c == len(r.prompt)]
+            if finals:
+                on_planned(finals)
 
         decode_ctx = sum(r.computed for r in decodes)  # the step's shape, for step-time models
         prefill_ctx = sum(c * (r.computed + c) for r, c in chunks)

@@ -109,6 +109,8 @@ def _build() -> ctypes.CDLL | None:
     lib.rms_norm_f32.argtypes = [p, i64, p, i64, i64, ctypes.c_float, p]
     lib.argmax_f32.restype = None
     lib.argmax_f32.argtypes = [p, i64, i64, i64, p]
+    lib.kv_write.restype = i64
+    lib.kv_write.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p]
     for name in ("silu_mul_f32", "silu_mul_bf16"):
         fn = getattr(lib, name)
         fn.restype = None

@@ -35,7 +35,8 @@ class Finish(Msg, tag="kv_finish"):
 
 
 class CachePrefix(Msg, tag="kv_cache_prefix"):
-    """Scheduler -> KV: the request's prompt KV is written (prefill done); cache its full blocks so
+    """Scheduler -> KV: the request's prompt KV is written, or is being written by the
+    executor's step in flight (``prefill_done``); cache its full blocks so
     requests admitted while it runs can share them. Sent by the scheduler (not the executor) so it
     reaches the KV manager before the admissions that should hit it."""
 

@@ -87,9 +87,11 @@ class RequestDone(Msg, tag="done"):
 
 
 class PrefillDone(Msg, tag="prefill_done"):
-    """Executor -> scheduler: the request's prompt KV is all written (its first token is out).
-    The scheduler then has the KV manager cache the prompt's full blocks and admits requests it
-    held back because they share that prompt's prefix."""
+    """Executor -> scheduler: the step in flight completes the request's prompt (sent when the
+    step is planned, before its forward). The scheduler then has the KV manager cache the
+    prompt's full blocks and admits requests it held back because they share that prompt's
+    prefix: they reach the executor during that step and join a later one, after the forward
+    has written the KV they share."""
 
     request_id: str
     attempt: int

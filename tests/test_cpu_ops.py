@@ -1,6 +1,6 @@
 """The fused C passes of the float32 forward (gpu.cpu_ops) compute what the torch expressions
-they replace compute: RoPE bit for bit, RMSNorm and SiLU-and-multiply up to float rounding;
-and they step aside (None) where they do not apply."""
+they replace compute: RoPE and the KV write bit for bit, RMSNorm and SiLU-and-multiply up to
+float rounding; and they step aside (None) where they do not apply."""
 
 from __future__ import annotations
 
@@ -91,3 +91,18 @@ def test_argmax_is_torchs_max_index_ties_and_nan_included():
     got = cpu_ops.argmax(x)
     assert got is not None and torch.equal(got, want)
     assert torch.equal(cpu_ops.argmax(x[:, :9]), x[:, :9].max(dim=-1).indices)  # rows < 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_stores_what_index_copy_stores_and_refuses_slots_outside(dtype):
+    torch.manual_seed(7)
+    qkv = (torch.randn(37, 12, 64) * 3).to(dtype)
+    k = qkv[:, 8:10]  # the strided K slice of the qkv output, as the forward hands it over
+    slots = torch.randperm(1000)[:37]
+    got, want = torch.zeros(2, 1000, 64, dtype=dtype), torch.zeros(2, 1000, 64, dtype=dtype)
+    assert cpu_ops.kv_write(got, slots, k)
+    want.index_copy_(1, slots, k.transpose(0, 1))
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="1 KV slot"):
+        cpu_ops.kv_write(got, torch.tensor([3] * 36 + [1000]), k)
+    assert not cpu_ops.kv_write(got.to(torch.float16), slots, k.to(torch.float16))

@@ -145,6 +145,27 @@ def test_steps_mix_decodes_and_mid_prompt_chunks(tiny_model):
     assert res.num_prefill_tokens == 7 and res.num_requests == 2
 
 
+def test_a_step_names_the_prompts_it_completes_before_its_forward(tiny_model):
+    """What the executor actor tells the scheduler at plan time (``PrefillDone``), so requests
+    that share the prompt's prefix are admitted while the forward runs."""
+    ex = Executor(tiny_model, num_blocks=64, chunk_cap=7, step_budget=40)
+    drv = Driver(ex)
+    drv.add("a", list(range(5, 10)))
+    drv.add("b", list(range(100, 118)))  # 18 tokens: chunks of 7, 7, 4
+    seen: list[tuple[list[str], int]] = []
+
+    def planned(rids: list[str]) -> None:  # the step's tokens do not exist yet
+        seen.append((rids, sum(len(o) for o in drv.outs.values())))
+
+    for _ in range(3):
+        res = ex.step(on_planned=planned)
+        for o in res.outputs:
+            if o.token_id is not None:
+                drv.outs[o.request_id].append(o.token_id)
+    assert seen == [(["a"], 0), (["b"], 2)]  # step 1 ends a's prompt, step 3 b's; never step 2
+    assert drv.outs["b"] and len(drv.outs["a"]) == 3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_mixed_steps_match_transformers_cuda(tiny_models):
     _exactness(tiny_models["qwen2"], "cuda")

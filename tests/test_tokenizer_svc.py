@@ -25,6 +25,7 @@ def test_deltas_concatenate_to_decode_and_never_split_characters(tiny_model):
 
 def test_random_token_streams_round_trip(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert IncrementalDetokenizer(tok)._backend is not None  # the fast path is the one checked
     rng = random.Random(0)
     for _ in range(50):
         ids = [rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 40))]

@@ -1,8 +1,9 @@
 """The executor, simulated: ``gpu/actor.py``'s step loop and ``gpu/executor.py``'s bookkeeping
 without the model. Each iteration applies what arrived since the last one (runs, block grants,
 preemptions, stops), plans one step with the real ``plan_step``, lets the step take as long as
-the step-time model says, then publishes like the real actor: tokens to the front door,
-``PrefillDone`` / ``RequestDone`` to the scheduler and ``Grow`` to the KV manager one block
+the step-time model says, then publishes like the real actor: ``PrefillDone`` to the scheduler
+for the prompts a step completes when it is planned; after it, tokens to the front door,
+``RequestDone`` to the scheduler and ``Grow`` to the KV manager one block
 ahead of need. A request produces the tokens its replayed sequence holds and finishes after
 as many tokens as it produced in the recorded run."""
 
@@ -109,6 +110,10 @@ class SimExecutor:
         pre = sum(c for _, c in plan.chunks)
         pctx = sum(c * (r.computed + c) for r, c in plan.chunks)
         dt = self.model.predict(pre, len(plan.decodes), len(plan.chunks), dctx, pctx)
+        for r, c in plan.chunks:  # the prompts this step completes, told when it is planned
+            if r.computed + c == len(r.prompt):
+                fl = self.flight[r.rid]
+                self.loop.send("scheduler", PrefillDone(request_id=r.rid, attempt=fl.attempt))
         self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, dt, pre, dctx, pctx)
 
     def _step_done(self, plan: StepPlan, dt: float, pre: int, dctx: int, pctx: int) -> None:
@@ -164,7 +169,6 @@ class SimExecutor:
         if first:
             ttft = self.loop.now - fl.started
             self.rec.record("executor.prefill_done", request_id=rid, ttft_s=ttft)
-            send("scheduler", PrefillDone(request_id=rid, attempt=fl.attempt))
         if finish is not None:
             del self.flight[rid]
             done = RequestDone(
