@@ -29,6 +29,7 @@ from gpu.executor import Executor, ExecutorInputError, StepResult
 from gpu.kv_cache import resolve_num_blocks
 from gpu.paged_kernel import usable
 from gpu.recovery import Flight, RecoveryMixin
+from gpu.step_plan import burst_end
 from gpu.structured.grammar import Compiled, GrammarError
 from gpu.structured.pending import Done, PendingCompiles
 from messages import executor as xm
@@ -72,6 +73,8 @@ class ExecutorActor(RecoveryMixin, Actor):
             trio.to_thread.run_sync
         )
         self.lookahead = cfg.kv.lookahead_blocks * cfg.kv.block_size
+        self.burst_wait_s = max(0.0, cfg.executor.burst_wait_ms) / 1000.0
+        self.more_coming = False  # the last run said another is being admitted behind it
         self.log.info(
             "executor.config",
             model=cfg.model,
@@ -84,6 +87,7 @@ class ExecutorActor(RecoveryMixin, Actor):
             if usable(self.ex.device, self.ex.kv_dtype)
             else "tensor",
             **dataclasses.asdict(self.ex.budget),
+            burst_wait_ms=cfg.executor.burst_wait_ms,
         )
 
     # ------------------------------------------------------------------ loop
@@ -97,8 +101,11 @@ class ExecutorActor(RecoveryMixin, Actor):
         step = self._step_fn()
         while True:
             t0 = time.perf_counter()
+            idle = not self.ex.has_work()
             while self.mailbox:
                 self._apply(self.mailbox.popleft())
+            if idle and self.more_coming and self.burst_wait_s > 0 and self.ex.has_work():
+                await self._gather_burst()
             if self.holding_due:
                 self._send_holding()
             while self.reconcile_due:
@@ -135,6 +142,32 @@ class ExecutorActor(RecoveryMixin, Actor):
                     decode_ctx=result.decode_ctx,
                     prefill_ctx=result.prefill_ctx,
                 )
+
+    async def _gather_burst(self) -> None:
+        """Nothing was running and the scheduler is admitting more requests right behind the
+        last run (``x_run.more``): wait for them, at most ``burst_wait_ms`` and no longer than
+        it takes to hold a full step's budget, so that the first step takes the burst rather
+        than one request (which would hold the rest back for a whole step). Never waits while
+        anything runs."""
+        t0 = trio.current_time()
+        deadline = t0 + self.burst_wait_s
+        while (
+            self.more_coming
+            and not self.ex.fills_a_step()
+            and (left := deadline - trio.current_time()) > 0
+        ):
+            self.wake = trio.Event()
+            with trio.move_on_after(left):
+                await self.wake.wait()
+            while self.mailbox:
+                self._apply(self.mailbox.popleft())
+        self.log.info(
+            "executor.burst_waited",
+            waited_s=round(trio.current_time() - t0, 6),
+            requests=self.ex.num_requests(),
+            ended=burst_end(self.more_coming, self.ex.fills_a_step()),
+        )
+        self.more_coming = False
 
     def _step_fn(self) -> Callable[[], StepResult]:
         """One step, as ``run_step`` runs it (in a worker thread or on the main thread): the
@@ -225,6 +258,7 @@ class ExecutorActor(RecoveryMixin, Actor):
 
     def _run(self, msg: xm.Run) -> None:
         rid = msg.request_id
+        self.more_coming = msg.more
         if rid in self.flight:  # a stale attempt still here: drop it first
             self.ex.abort(rid)
             self.flight.pop(rid)

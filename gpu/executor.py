@@ -29,7 +29,7 @@ from gpu.requests import (
     check_request,
 )
 from gpu.sampling import is_greedy, row_logprobs, sample
-from gpu.step_plan import StepBudget, plan_step
+from gpu.step_plan import StepBudget, fills_a_step, plan_step
 from gpu.structured.engine import StructuredEngine
 from gpu.structured.grammar import Compiled
 from messages.common import SamplingParams
@@ -211,6 +211,10 @@ class Executor:
 
     def num_requests(self) -> int:
         return len(self._prefilling) + len(self._decoding)
+
+    def fills_a_step(self) -> bool:
+        """Whether the requests held fill one step (``gpu.step_plan.fills_a_step``)."""
+        return fills_a_step(self._prefilling.values(), self.num_requests(), self.budget)
 
     def capacity(self, request_id: str) -> int:
         """Tokens the request's block table can hold (KeyError if not in flight). O(1)."""

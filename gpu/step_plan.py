@@ -13,6 +13,10 @@
 
 A decode whose block table has no room for its next token is skipped this step (reported), never
 waited on. Nothing is mutated; the caller applies the plan.
+
+``fills_a_step`` / ``burst_end``: how long an idle executor waits for a burst being admitted
+(``x_run.more``) before its first step: until the burst is in, the step's budget is full, or
+``burst_wait_ms`` runs out (the actor and the replay's simulated executor share them).
 """
 
 from __future__ import annotations
@@ -87,3 +91,16 @@ def plan_step(
         add_chunks()
         add_decodes()
     return plan
+
+
+def fills_a_step(prefilling: Iterable[RequestState], num_requests: int, budget: StepBudget) -> bool:
+    """Whether the requests held fill one step: ``max_batch_size`` of them, or prompt tokens
+    still to prefill of at least ``step_budget``."""
+    if num_requests >= budget.max_batch_size:
+        return True
+    return sum(len(r.prompt) - r.computed for r in prefilling) >= budget.step_budget
+
+
+def burst_end(more_coming: bool, full: bool) -> str:
+    """Why a wait for a burst ended (``executor.burst_waited``'s ``ended``)."""
+    return "step_full" if full else ("timeout" if more_coming else "burst_in")

@@ -11,7 +11,10 @@ class Run(Msg, tag="x_run"):
     attempts: after a preemption ``prompt_ids`` ends with them, ``params`` are the original ones
     (``max_tokens`` counts all outputs) and seeded sampling resumes at output index
     ``output_offset``, so a preempted request gives the tokens it would have given anyway (the
-    penalties and ``min_tokens`` count those ``output_offset`` tokens as generated ones)."""
+    penalties and ``min_tokens`` count those ``output_offset`` tokens as generated ones).
+    ``more``: the scheduler is admitting another request right behind this one, so an executor
+    with nothing running waits for it (at most ``burst_wait_ms``) rather than start a step with
+    this request alone."""
 
     request_id: str
     attempt: int
@@ -20,6 +23,7 @@ class Run(Msg, tag="x_run"):
     block_table: list[int]
     cached_tokens: int = 0
     output_offset: int = 0
+    more: bool = False  # another admission is out: an idle executor waits for it (burst_wait_ms)
 
 
 class Extend(Msg, tag="x_extend"):

@@ -74,6 +74,25 @@ def test_fcfs_admits_one_at_a_time_in_arrival_order():
     assert asks[0].request_id == "b"
 
 
+def test_a_run_says_more_while_the_next_admission_is_already_out():
+    """A burst: each run but the last tells the executor another one follows (x_run.more), so
+    an idle executor can take them all into its first step."""
+    core, _ = make()
+    for rid in "abc":
+        submit(core, rid)
+    core.take_outbox()
+    more = {}
+    for rid in "abc":
+        admit_ok(core, rid)
+        (run,) = sent(core, "executor", xm.Run)
+        more[rid] = run.more
+    assert more == {"a": True, "b": True, "c": False}
+    submit(core, "d")  # alone: its run says no more
+    core.take_outbox()
+    admit_ok(core, "d")
+    assert [r.more for r in sent(core, "executor", xm.Run)] == [False]
+
+
 def test_full_mode_reserves_prompt_plus_max_tokens_but_the_last():
     core, _ = make(mode="full")
     submit(core, "a", n=6, max_tokens=8)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu.requests import RequestState
-from gpu.step_plan import StepBudget, plan_step
+from gpu.step_plan import StepBudget, burst_end, fills_a_step, plan_step
 from messages.common import SamplingParams
 
 
@@ -60,3 +60,16 @@ def test_max_batch_size_counts_requests():
     dec = [st(f"d{i}", 4, computed=4, out=1) for i in range(5)]
     plan = plan_step(dec, [st("p", 10)], StepBudget(max_batch_size=3), 16)
     assert len(plan.decodes) + len(plan.chunks) == 3
+
+
+def test_a_burst_wait_ends_once_the_step_is_full():
+    """An idle executor waiting for a burst starts as soon as what it holds fills one step."""
+    b = StepBudget(step_budget=100, chunk_cap=64, max_batch_size=3)
+    assert not fills_a_step([st("a", 60), st("b", 50, computed=20)], 2, b)  # 90 tokens left
+    assert fills_a_step([st("a", 60), st("b", 50)], 2, b)  # 110 >= the step budget
+    assert fills_a_step([st("a", 5)], 3, b)  # as many requests as a step takes
+    assert [burst_end(False, False), burst_end(True, True), burst_end(True, False)] == [
+        "burst_in",
+        "step_full",
+        "timeout",
+    ]

@@ -17,7 +17,7 @@ from actors.kv.reservation import grow_to, kv_tokens_at_most
 from actors.replay.loop import Loop
 from actors.replay.stepmodel import StepModel
 from gpu.requests import RequestState
-from gpu.step_plan import StepBudget, StepPlan, plan_step
+from gpu.step_plan import StepBudget, StepPlan, burst_end, fills_a_step, plan_step
 from messages import executor as xm
 from messages.kv import Grow
 from messages.scheduler import PrefillDone, RequestDone
@@ -61,6 +61,7 @@ class SimExecutor:
         script: Callable[[str], Script],
         out_hop_s: float,
         num_blocks: int,
+        burst_wait_s: float = 0.0,
     ) -> None:
         self.loop = loop
         self.budget = budget
@@ -76,6 +77,11 @@ class SimExecutor:
         self.mailbox: deque[Any] = deque()
         self.busy = False
         self.steps = 0
+        self.burst_wait_s = burst_wait_s
+        self.more_coming = False  # the last run said another is being admitted behind it
+        self.gathering = 0  # > 0 while waiting for a burst (the wait's number)
+        self.gather_t0 = 0.0
+        self.waits = 0
         rec.record(
             "executor.config",
             model="(replay)",
@@ -88,18 +94,50 @@ class SimExecutor:
             long_prefill_threshold=budget.long_prefill_threshold,
             max_long_prefills=budget.max_long_prefills,
             decode_first=budget.decode_first,
+            burst_wait_ms=burst_wait_s * 1000.0,
         )
 
     def handle(self, msg: Any) -> None:
         self.mailbox.append(msg)
-        if not self.busy:
+        if self.gathering:
+            while self.mailbox:
+                self._apply(self.mailbox.popleft())
+            if not self.more_coming or self._fills_a_step():
+                self._gathered(self.gathering)
+        elif not self.busy:
             self.busy = True
             self.loop.at(self.loop.now, self._iterate)
 
     # ------------------------------------------------------------------ loop
+    def _gathered(self, wait: int) -> None:
+        """The burst the idle executor waited for is in (or the wait ran out): step."""
+        if self.gathering != wait:
+            return  # that wait already ended
+        self.gathering = 0
+        self.rec.record(
+            "executor.burst_waited",
+            waited_s=self.loop.now - self.gather_t0,
+            requests=len(self.prefilling) + len(self.decoding),
+            ended=burst_end(self.more_coming, self._fills_a_step()),
+        )
+        self.more_coming = False
+        self._iterate()
+
+    def _fills_a_step(self) -> bool:
+        n = len(self.prefilling) + len(self.decoding)
+        return fills_a_step(self.prefilling.values(), n, self.budget)
+
     def _iterate(self) -> None:
+        idle = not (self.prefilling or self.decoding)
         while self.mailbox:
             self._apply(self.mailbox.popleft())
+        if idle and self.more_coming and self.burst_wait_s > 0 and self.prefilling:
+            # as the actor: wait (bounded) for the rest of a burst before the first step
+            self.waits += 1
+            self.gathering = wait = self.waits
+            self.gather_t0 = self.loop.now
+            self.loop.at(self.loop.now + self.burst_wait_s, self._gathered, wait)
+            return
         plan = None
         if self.prefilling or self.decoding:
             plan = plan_step(self.decoding.values(), self.prefilling.values(), self.budget, self.bs)
@@ -218,6 +256,7 @@ class SimExecutor:
 
     def _run(self, msg: xm.Run) -> None:
         rid = msg.request_id
+        self.more_coming = msg.more
         if rid in self.flight:
             self._forget(rid)
             self.flight.pop(rid)

@@ -153,6 +153,7 @@ def replay(
         seqs.script,
         rec.out_hop_s,
         cfg.num_blocks,
+        cfg.burst_wait_ms / 1000.0,
     )
     front = SimFrontDoor(loop, log("tokenizer"), rec.requests, seqs.prompt, rec.client_s)
     loop.handlers = {

@@ -61,6 +61,7 @@ class Config:
     kv: KVConfig
     budget: StepBudget
     num_blocks: int
+    burst_wait_ms: float = 0.0  # the executor's wait for a burst at idle (0 in older logs)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -73,6 +74,7 @@ class Config:
             "long_prefill_threshold": self.budget.long_prefill_threshold,
             "max_long_prefills": self.budget.max_long_prefills,
             "decode_first": self.budget.decode_first,
+            "burst_wait_ms": self.burst_wait_ms,
         }
 
 
@@ -116,7 +118,7 @@ def _config(events: list[dict[str, Any]], notes: list[str]) -> Config:
     )
     bnames = {f.name for f in dataclasses.fields(StepBudget)}
     budget = StepBudget(**{k: v for k, v in xc.items() if k in bnames})
-    return Config(sched, kv, budget, int(kc["num_blocks"]))
+    return Config(sched, kv, budget, int(kc["num_blocks"]), float(xc.get("burst_wait_ms", 0.0)))
 
 
 def from_events(

@@ -128,6 +128,14 @@ class ExecutorConfig:
     )
     device: str | None = field(default=None, metadata=doc("torch device (cpu, cuda, cuda:1...)"))
     threads: int | None = field(default=None, metadata=doc("torch threads (default: all cores)"))
+    burst_wait_ms: float = field(
+        default=100.0,
+        metadata=doc(
+            "with nothing running, wait up to this long for the rest of a burst being admitted "
+            "(x_run.more) before the first step, or until a step's budget is full (0: start at "
+            "once)"
+        ),
+    )
 
 
 @dataclass
