@@ -3,8 +3,10 @@
 Each iteration drains the inbox without waiting (runs, block grants, preemptions, aborts), runs
 one mixed prefill/decode step, publishes the step's tokens to the tokenizer service and request
 ends to the scheduler (the prompts a step completes as soon as it is planned: ``PrefillDone``,
-so that requests sharing their prefix are admitted while its forward runs), and asks the KV manager for blocks *ahead of need* (one block of
-lookahead), so a step never waits on a round trip. It blocks only when it has nothing to run.
+so that requests sharing their prefix are admitted while its forward runs), and asks the KV
+manager for blocks *ahead of need* (one block of lookahead), so a step never waits on a round
+trip. It blocks only when it has nothing to run; with nothing running, it waits for a burst
+being admitted (``x_run.more``) before its first step.
 
 A constrained request (``params.structured``) whose constraint is not in the executor's grammar
 cache is compiled in a worker thread while the steps go on, and joins the batch when compiled;
@@ -102,8 +104,7 @@ class ExecutorActor(RecoveryMixin, Actor):
         while True:
             t0 = time.perf_counter()
             idle = not self.ex.has_work()
-            while self.mailbox:
-                self._apply(self.mailbox.popleft())
+            self._drain()
             if idle and self.more_coming and self.burst_wait_s > 0 and self.ex.has_work():
                 await self._gather_burst()
             if self.holding_due:
@@ -159,8 +160,7 @@ class ExecutorActor(RecoveryMixin, Actor):
             self.wake = trio.Event()
             with trio.move_on_after(left):
                 await self.wake.wait()
-            while self.mailbox:
-                self._apply(self.mailbox.popleft())
+            self._drain()
         self.log.info(
             "executor.burst_waited",
             waited_s=round(trio.current_time() - t0, 6),
@@ -168,6 +168,11 @@ class ExecutorActor(RecoveryMixin, Actor):
             ended=burst_end(self.more_coming, self.ex.fills_a_step()),
         )
         self.more_coming = False
+
+    def _drain(self) -> None:
+        """Apply what the inbox reader parked (runs, grants, preemptions, stops), in order."""
+        while self.mailbox:
+            self._apply(self.mailbox.popleft())
 
     def _step_fn(self) -> Callable[[], StepResult]:
         """One step, as ``run_step`` runs it (in a worker thread or on the main thread): the

@@ -248,10 +248,8 @@ class Executor:
         decodes, chunks, skipped = plan.decodes, plan.chunks, plan.skipped
         if not decodes and not chunks:
             return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
-        if on_planned is not None:
-            finals = [r.rid for r, c in chunks if r.computed + c == len(r.prompt)]
-            if finals:
-                on_planned(finals)
+        if on_planned is not None and (finals := plan.completing()):
+            on_planned([r.rid for r in finals])
 
         decode_ctx = sum(r.computed for r in decodes)  # the step's shape, for step-time models
         prefill_ctx = sum(c * (r.computed + c) for r, c in chunks)

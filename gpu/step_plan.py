@@ -49,6 +49,10 @@ class StepPlan:
     chunks: list[tuple[RequestState, int]]
     skipped: list[str]
 
+    def completing(self) -> list[RequestState]:
+        """The requests whose prompt this step's chunks complete (before the step is applied)."""
+        return [r for r, c in self.chunks if r.computed + c == len(r.prompt)]
+
 
 def plan_step(
     decoding: Iterable[RequestState],

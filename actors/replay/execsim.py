@@ -148,14 +148,23 @@ class SimExecutor:
         pre = sum(c for _, c in plan.chunks)
         pctx = sum(c * (r.computed + c) for r, c in plan.chunks)
         dt = self.model.predict(pre, len(plan.decodes), len(plan.chunks), dctx, pctx)
-        for r, c in plan.chunks:  # the prompts this step completes, told when it is planned
-            if r.computed + c == len(r.prompt):
-                fl = self.flight[r.rid]
-                self.loop.send("scheduler", PrefillDone(request_id=r.rid, attempt=fl.attempt))
-        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, dt, pre, dctx, pctx)
+        finals = plan.completing()
+        for r in finals:  # the prompts this step completes, told when it is planned
+            self.loop.send(
+                "scheduler", PrefillDone(request_id=r.rid, attempt=self.flight[r.rid].attempt)
+            )
+        end = self.loop.now + max(dt, 1e-6)
+        self.loop.at(end, self._step_done, plan, finals, dt, pre, dctx, pctx)
 
-    def _step_done(self, plan: StepPlan, dt: float, pre: int, dctx: int, pctx: int) -> None:
-        finals = [r for r, c in plan.chunks if r.computed + c == len(r.prompt)]
+    def _step_done(
+        self,
+        plan: StepPlan,
+        finals: list[RequestState],
+        dt: float,
+        pre: int,
+        dctx: int,
+        pctx: int,
+    ) -> None:
         for r in plan.decodes:
             r.computed += 1
         for r, c in plan.chunks:
