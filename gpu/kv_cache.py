@@ -70,8 +70,16 @@ class PagedKVCache:
         import torch
 
         shape = (num_kv_heads, self.num_slots, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if device.type == "cpu":  # one allocation, advised for huge pages (gpu.cpu_tuning)
+            from gpu.cpu_tuning import huge_page_zeros
+
+            per = num_kv_heads * self.num_slots * head_dim
+            pool = huge_page_zeros(2 * num_layers * per, dtype)
+            views = [pool[i * per : (i + 1) * per].view(shape) for i in range(2 * num_layers)]
+            self.k, self.v = views[:num_layers], views[num_layers:]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # The same storage as [kv_heads * num_slots, head_dim]: gathers along dim 0 are fastest.
         self.flat_k = [t.view(-1, head_dim) for t in self.k]
         self.flat_v = [t.view(-1, head_dim) for t in self.v]

@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-# one library: the decode attention and the fused elementwise ops of gpu.cpu_ops
+# one library: the decode attention, the fused elementwise ops of gpu.cpu_ops and the
+# decode-sized linears of gpu.linear
 _SOURCE = "\n".join(
-    (Path(__file__).parent / f).read_text() for f in ("paged_decode.c", "cpu_ops.c")
+    (Path(__file__).parent / f).read_text()
+    for f in ("paged_decode.c", "cpu_ops.c", "decode_gemm.c")
 )
 # Not -ffast-math: a shared object linked with it runs crtfastmath's constructor on load, which
 # turns on flush-to-zero / denormals-are-zero for the whole process (every later float op in
@@ -115,6 +117,13 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p]
+    lib.rows_packed_len.restype = i64
+    lib.rows_packed_len.argtypes = [i64, i64]
+    lib.rows_pack_f32.restype = lib.rows_gemm_f32.restype = None
+    lib.rows_pack_f32.argtypes = [p, i64, i64, p]
+    lib.rows_gemm_f32.argtypes = [p, i64, i64, p, p, i64, i64, p, p]
+    lib.rows_gemm_vector.restype = ctypes.c_int
+    lib.rows_gemm_vector.argtypes = []
     return lib
 
 

@@ -112,7 +112,8 @@ def test_packing_can_be_switched_off(monkeypatch):
 @pytest.mark.skipif(
     not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
-def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
+def test_lone_rows_use_the_kept_plain_weight_in_float32_only(monkeypatch):
+    monkeypatch.setenv("MINIRT_ROWS_LINEAR", "0")  # the decode-row copy supersedes it
     torch.manual_seed(0)
     w, b = torch.randn(96, 40), torch.randn(96)
     lin = Linear(w, b, pack=True, keep_plain=True)
@@ -126,6 +127,27 @@ def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
     bf = Linear(w.bfloat16(), None, pack=True, keep_plain=True)
     if bf.packed is not None:  # bf16: the packed kernel is faster at every row count
         assert bf.weight is None and bf.gemv_rows == 0
+
+
+@pytest.mark.skipif(
+    not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one():
+    from gpu import cpu_ops
+
+    torch.manual_seed(0)
+    w, b = torch.randn(100, 64), torch.randn(100)
+    lin = Linear(w, b, pack=True, keep_plain=True)
+    if lin.rows is None:
+        pytest.skip("no decode-row kernel on this machine")
+    assert lin.weight is None and lin.gemv_rows == 0  # the row copy replaces the plain one
+    for rows in (1, 3, 64, 65, 300):
+        x = torch.randn(rows, 64)
+        got = lin(x)
+        if rows <= cpu_ops.ROWS_MAX:
+            assert torch.equal(got, cpu_ops.rows_linear(x, lin.rows, b, 100))
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert Linear(w.bfloat16(), None, pack=True).rows is None  # float32 only
 
 
 def test_loading_the_paged_kernel_keeps_subnormal_floats() -> None:

@@ -106,3 +106,43 @@ def test_kv_write_stores_what_index_copy_stores_and_refuses_slots_outside(dtype)
     with pytest.raises(IndexError, match="1 KV slot"):
         cpu_ops.kv_write(got, torch.tensor([3] * 36 + [1000]), k)
     assert not cpu_ops.kv_write(got.to(torch.float16), slots, k.to(torch.float16))
+
+
+_ROWS = pytest.mark.skipif(
+    paged_kernel.kernel() is None or not paged_kernel.kernel().rows_gemm_vector(),
+    reason="no AVX-512: the decode-row linear is not built here",
+)
+
+
+@_ROWS
+@pytest.mark.parametrize(("n", "k"), [(1152, 896), (37, 50), (12, 7), (25, 300)])
+def test_rows_linear_equals_f_linear_up_to_rounding_at_every_decode_row_count(n, k):
+    torch.manual_seed(n + k)
+    w, b = torch.randn(n, k), torch.randn(n)
+    packed = cpu_ops.pack_rows(w)
+    assert packed is not None
+    big = torch.randn(cpu_ops.ROWS_MAX, k + 3)
+    for m in (1, 2, 3, 4, 5, 8, 16, 17, 32, 33, 48, 64):
+        x = big[:m, :k]  # rows with a stride, as the residual stream's tiles have
+        want = F.linear(x.double(), w.double(), b.double())
+        for bias in (b, None):
+            got = cpu_ops.rows_linear(x, packed, bias, n)
+            assert got is not None and got.shape == (m, n)
+            ref = want if bias is not None else want - b.double()
+            err = (got.double() - ref).abs().max() / ref.abs().max()
+            assert err < 1e-5, (m, err)
+    assert cpu_ops.rows_linear(big[:1, :k].t(), packed, b, n) is None  # columns, not rows
+    assert cpu_ops.rows_linear(torch.randn(cpu_ops.ROWS_MAX + 1, k), packed, b, n) is None
+
+
+@_ROWS
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
+    """Each output is one multiply-add chain over K, whichever body the row count picks: a
+    request decodes to the same logits alone or in a batch of 64."""
+    torch.manual_seed(1)
+    w = torch.randn(300, 520)
+    packed = cpu_ops.pack_rows(w)
+    x = torch.randn(cpu_ops.ROWS_MAX, 520)
+    full = cpu_ops.rows_linear(x, packed, None, 300)
+    for m in (1, 4, 5, 16, 17, 33):
+        assert torch.equal(cpu_ops.rows_linear(x[:m], packed, None, 300), full[:m])

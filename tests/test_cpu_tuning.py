@@ -55,3 +55,48 @@ def test_tuned_malloc_reuses_step_buffers():
     # 50 steps x 2 gathers x ~1,150 pages: ~115k faults or more if every buffer is fresh.
     assert tuned < 2_000, f"{tuned} page faults over 50 steps with the tuned allocator"
     assert default > 50_000, f"the probe should fault without tuning, got {default}"
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "absent"
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``addr``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(
+    _thp_mode() not in ("always", "madvise"), reason="no transparent huge pages on this kernel"
+)
+@pytest.mark.parametrize("advise", ["1", "0"])
+def test_the_cpu_kv_pool_is_one_zeroed_pool_advised_for_huge_pages(monkeypatch, advise):
+    import torch
+
+    from gpu.kv_cache import PagedKVCache
+
+    monkeypatch.setenv("MINIRT_KV_HUGE_PAGES", advise)
+    cache = PagedKVCache(4, 2, 64, 1024, 16, torch.float32, torch.device("cpu"))  # 32 MiB
+    assert all(t.is_contiguous() and not t.any() for t in cache.k + cache.v)
+    # one pool, layers side by side and not aliased: a write to one layer shows in no other
+    cache.write(1, torch.tensor([5]), torch.ones(1, 2, 64), torch.full((1, 2, 64), 2.0))
+    assert [int(t.count_nonzero()) for t in cache.k] == [0, 128, 0, 0]
+    assert [int(t.count_nonzero()) for t in cache.v] == [0, 128, 0, 0]
+    start = cache.k[0].data_ptr()
+    if advise == "1":
+        assert start % (2 << 20) == 0
+        assert "hg" in _vm_flags(start)  # madvise(MADV_HUGEPAGE) took: the kernel may use them
+    else:
+        assert "hg" not in _vm_flags(start)

@@ -73,7 +73,9 @@ def test_replay_makes_the_recorded_admission_decisions(recorded) -> None:
     assert refused == ["a", "s"], "the small pool did not refuse one request per wave"
     assert sum(r["cached_tokens"] for r in rec.records) >= 9 * 80  # wave 2 hit the cache
     model = stepmodel.fit(rec.steps)
-    assert not model.notes  # the executor.step events carry the contexts the model uses
+    # the executor.step events carry the contexts the model uses (whether the fit can also tell
+    # a per-decode cost from the contexts' depends on the machine's kernels: a note, not a fault)
+    assert not [n for n in model.notes if "have no" in n], model.notes
     res = sim.replay(rec, model, to_executor_s=sim.calibrate(rec, model))
     assert res.decisions() == rec.decisions  # the exact sequence, refusals and retries included
     a = bench_report.summarize(rec.records, rec.wall_s)

@@ -1,0 +1,173 @@
+/* Decode-sized float32 linears: out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the few rows of a
+ * decode step (gpu/linear.py). At those row counts every weight is read from memory once per step
+ * for a few dozen multiply-adds, and a kernel that stalls on those reads costs about the sum of
+ * the memory time and the arithmetic time. This one reads the weight as one sequential stream per
+ * thread, from a copy laid out for it (rows_pack_f32: blocks of RB rows, k-major inside a block,
+ * so the RB weights of one k are adjacent), and prefetches ahead of the stream while its
+ * accumulators (all in registers) do the arithmetic.
+ *
+ * Every output is one float32 fused multiply-add chain over k in order, whatever M is and
+ * whichever body runs: a row's result does not depend on the other rows of the batch.
+ * Built into the paged kernel's library (gpu/paged_kernel.py), with OpenMP on torch's runtime. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RB 12 /* rows per block of the packed copy */
+
+int64_t rows_packed_len(int64_t n, int64_t k) {
+    /* floats in the packed copy: whole blocks, plus one vector of slack for masked loads */
+    return ((n + RB - 1) / RB) * RB * k + 16;
+}
+
+void rows_pack_f32(const float *w, int64_t n, int64_t k, float *out) {
+    int64_t nb = (n + RB - 1) / RB;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t r = 0; r < RB; r++) {
+                int64_t row = b * RB + r;
+                out[(b * k + kk) * RB + r] = row < n ? w[row * k + kk] : 0.0f;
+            }
+    memset(out + nb * RB * k, 0, 16 * sizeof(float));
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PF_BYTES 3072 /* prefetch distance along a block's stream (measured: 2-4 KB best) */
+
+/* R rows of W (R = 24: two blocks; 12: one) against 16 * C columns of xT ([K][16 * C], x
+ * transposed and zero-padded); acc stored to tmp[R][16 * C]. */
+#define BODY(R, C)                                                                          \
+    static void body_##R##_##C(const float *restrict xT, const float *restrict w, int64_t K, \
+                               float *restrict tmp) {                                      \
+        __m512 acc[R][C];                                                                   \
+        _Pragma("GCC unroll 24") for (int r = 0; r < R; r++)                               \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k++) {                                                   \
+            _mm_prefetch((const char *)(w + k * RB) + PF_BYTES, _MM_HINT_T2);                 \
+            if (R > RB) _mm_prefetch((const char *)(w + K * RB + k * RB) + PF_BYTES, _MM_HINT_T2); \
+            __m512 xv[C];                                                                   \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                             \
+                xv[c] = _mm512_load_ps(xT + k * 16 * C + 16 * c);                           \
+            _Pragma("GCC unroll 24") for (int r = 0; r < R; r++) {                          \
+                __m512 wv = _mm512_set1_ps(w[(r / RB) * K * RB + k * RB + r % RB]);          \
+                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                         \
+                    acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);                      \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 24") for (int r = 0; r < R; r++)                               \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                             \
+                _mm512_store_ps(tmp + (r * C + c) * 16, acc[r][c]);                         \
+    }
+BODY(24, 1)
+BODY(12, 1)
+BODY(12, 2)
+
+/* 1-4 rows: the 12 weights of one k are one (masked) vector, times x[m][k] broadcast; G blocks
+ * at once for independent chains. Lane r of acc[m][g] is output row (b + g) * RB + r. */
+#define GEMV(M, G)                                                                          \
+    static void gemv_##M##_##G(const float *restrict x, int64_t xs, const float *restrict w, \
+                               int64_t K, float *restrict tmp) {                           \
+        __m512 acc[M][G];                                                                   \
+        _Pragma("GCC unroll 4") for (int m = 0; m < M; m++)                                 \
+            _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) acc[m][g] = _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < K; k++) {                                                   \
+            __m512 wv[G];                                                                   \
+            _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {                           \
+                _mm_prefetch((const char *)(w + (g * K + k) * RB) + PF_BYTES, _MM_HINT_T2);   \
+                wv[g] = _mm512_maskz_loadu_ps(0x0FFF, w + (g * K + k) * RB);                \
+            }                                                                               \
+            _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) {                           \
+                __m512 xm = _mm512_set1_ps(x[m * xs + k]);                                  \
+                _Pragma("GCC unroll 4") for (int g = 0; g < G; g++)                         \
+                    acc[m][g] = _mm512_fmadd_ps(wv[g], xm, acc[m][g]);                      \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int m = 0; m < M; m++)                                 \
+            _Pragma("GCC unroll 4") for (int g = 0; g < G; g++)                             \
+                _mm512_store_ps(tmp + (m * G + g) * 16, acc[m][g]);                         \
+    }
+GEMV(1, 4) GEMV(2, 4) GEMV(3, 4) GEMV(4, 4)
+GEMV(1, 1) GEMV(2, 1) GEMV(3, 1) GEMV(4, 1)
+typedef void (*gemv_fn)(const float *, int64_t, const float *, int64_t, float *);
+static const gemv_fn GEMV4[5] = {0, gemv_1_4, gemv_2_4, gemv_3_4, gemv_4_4};
+static const gemv_fn GEMV1[5] = {0, gemv_1_1, gemv_2_1, gemv_3_1, gemv_4_1};
+
+static inline void put(float *out, int64_t N, int64_t M, int64_t n0, int64_t rows,
+                       const float *bias, const float *tmp, int64_t m_step, int64_t r_step) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t r = 0; r < rows && n0 + r < N; r++)
+            out[m * N + n0 + r] = tmp[m * m_step + r * r_step] + (bias ? bias[n0 + r] : 0.0f);
+}
+
+int rows_gemm_vector(void) { return 1; }
+
+/* x: [M, K] rows xs floats apart; w: rows_pack_f32's copy of [N, K]; out: [M, N] contiguous;
+ * xT: 64-byte aligned scratch of 16 * K floats for M <= 16, else 32 * ceil(M / 32) * K (x
+ * transposed in groups of 32 columns); unused for M <= 4. */
+void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const float *bias,
+                   int64_t N, int64_t K, float *xT, float *out) {
+    int64_t nb = (N + RB - 1) / RB;
+    if (M <= 4) {
+        int64_t ng = (nb + 3) / 4;
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < ng; g++) {
+            float tmp[4 * 4 * 16] __attribute__((aligned(64)));
+            int64_t b = g * 4, G = nb - b < 4 ? nb - b : 4;
+            if (G == 4) {
+                GEMV4[M](x, xs, w + b * K * RB, K, tmp);
+                for (int64_t j = 0; j < 4; j++)
+                    put(out, N, M, (b + j) * RB, RB, bias, tmp + j * 16, 4 * 16, 1);
+            } else {
+                for (int64_t j = 0; j < G; j++) {
+                    GEMV1[M](x, xs, w + (b + j) * K * RB, K, tmp);
+                    put(out, N, M, (b + j) * RB, RB, bias, tmp, 16, 1);
+                }
+            }
+        }
+        return;
+    }
+    int64_t C = M <= 16 ? 1 : 2, W = 16 * C, G = (M + W - 1) / W;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < W; j++) {
+                    int64_t m = g * W + j;
+                    xT[(g * K + k) * W + j] = m < M ? x[m * xs + k] : 0.0f;
+                }
+        float tmp[24 * 16] __attribute__((aligned(64)));
+        if (C == 1) {
+            /* two blocks per call: 24 rows x 16 columns of accumulators */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < (nb + 1) / 2; p++) {
+                int64_t b = 2 * p;
+                if (b + 1 < nb) {
+                    body_24_1(xT, w + b * K * RB, K, tmp);
+                    put(out, N, M, b * RB, 2 * RB, bias, tmp, 1, 16);
+                } else {
+                    body_12_1(xT, w + b * K * RB, K, tmp);
+                    put(out, N, M, b * RB, RB, bias, tmp, 1, 16);
+                }
+            }
+        } else {
+            /* 32 columns at a time: a block's later column groups read it again, from cache */
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t mg = M - g * 32 < 32 ? M - g * 32 : 32;
+                    body_12_2(xT + g * K * 32, w + b * K * RB, K, tmp);
+                    put(out + g * 32 * N, N, mg, b * RB, RB, bias, tmp, 1, 32);
+                }
+        }
+    }
+}
+#else
+int rows_gemm_vector(void) { return 0; }
+void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const float *bias,
+                   int64_t N, int64_t K, float *xT, float *out) {
+    (void)x; (void)xs; (void)M; (void)w; (void)bias; (void)N; (void)K; (void)xT; (void)out;
+}
+#endif
