@@ -46,8 +46,9 @@ TILE_ROWS = 256
 # faster than oneDNN's packed kernel (measured single-threaded, LM head 32000 x 512 at 1 row:
 # 4.2-4.7 ms vs 5.5-5.8 ms; 2816 x 512: 0.21 vs 0.31-0.33 ms); from 8 rows on, packed wins. In
 # bfloat16 the packed kernel wins at every row count. Used where the plain weight is resident
-# anyway (the LM head tied to the embedding), or when asked to keep it, and only where the
-# decode-row copy (see the module doc) is not built: that one is faster still.
+# anyway (the LM head tied to the embedding), or when asked to keep it; then it also beats the
+# decode-row copy (see the module doc) on weights that sit in cache (the bench model's layers
+# at 1 row: 29-180 vs 40-203 us a call), and the copy takes 3 rows and more.
 GEMV_ROWS = 2
 _SUPPORTED = (torch.float32, torch.bfloat16)
 
@@ -82,7 +83,7 @@ class Linear:
     unless ``keep_plain``: then calls of at most :data:`GEMV_ROWS` rows in float32 use it through
     ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights also get the decode-row copy
     (``rows``) where the kernel library runs and :func:`rows_enabled`: calls of at most
-    :data:`gpu.cpu_ops.ROWS_MAX` rows use it."""
+    :data:`gpu.cpu_ops.ROWS_MAX` rows that the plain weight does not take use it."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, keep_plain: bool = False
@@ -99,14 +100,14 @@ class Linear:
             if self.packed is not None:
                 if weight.dtype == torch.float32 and rows_enabled():
                     self.rows = cpu_ops.pack_rows(weight)
-                if keep_plain and weight.dtype == torch.float32 and self.rows is None:
+                if keep_plain and weight.dtype == torch.float32:
                     self.gemv_rows = GEMV_ROWS
                 else:
                     self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.rows is not None and 0 < m <= cpu_ops.ROWS_MAX:
+        if self.rows is not None and self.gemv_rows < m <= cpu_ops.ROWS_MAX:
             out = cpu_ops.rows_linear(x, self.rows, self.bias, self.out_features)
             if out is not None:
                 return out

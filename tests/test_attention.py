@@ -113,7 +113,7 @@ def test_packing_can_be_switched_off(monkeypatch):
     not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
 def test_lone_rows_use_the_kept_plain_weight_in_float32_only(monkeypatch):
-    monkeypatch.setenv("MINIRT_ROWS_LINEAR", "0")  # the decode-row copy supersedes it
+    monkeypatch.setenv("MINIRT_ROWS_LINEAR", "0")  # only the plain and the packed copies
     torch.manual_seed(0)
     w, b = torch.randn(96, 40), torch.randn(96)
     lin = Linear(w, b, pack=True, keep_plain=True)
@@ -140,11 +140,13 @@ def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one():
     lin = Linear(w, b, pack=True, keep_plain=True)
     if lin.rows is None:
         pytest.skip("no decode-row kernel on this machine")
-    assert lin.weight is None and lin.gemv_rows == 0  # the row copy replaces the plain one
-    for rows in (1, 3, 64, 65, 300):
+    assert lin.weight is w and lin.gemv_rows == 2  # a kept plain weight still takes 1-2 rows
+    for rows in (1, 2, 3, 64, 65, 300):
         x = torch.randn(rows, 64)
         got = lin(x)
-        if rows <= cpu_ops.ROWS_MAX:
+        if rows <= 2:
+            assert torch.equal(got, F.linear(x, w, b))
+        elif rows <= cpu_ops.ROWS_MAX:
             assert torch.equal(got, cpu_ops.rows_linear(x, lin.rows, b, 100))
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert Linear(w.bfloat16(), None, pack=True).rows is None  # float32 only
