@@ -13,13 +13,13 @@ exp).
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
-from gpu import paged_kernel
+from gpu import paged_kernel, switched_off
 
-_ON = os.environ.get("MINIRT_CPU_OPS", "1").lower() not in ("0", "false", "no", "off")
+_ON = not switched_off("MINIRT_CPU_OPS")
 
 
 def _lib(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
@@ -116,8 +116,8 @@ ROWS_MAX = 64
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (``[N, K]`` float32) copied into :func:`rows_linear`'s layout (blocks of 12
-    rows, k-major inside a block: ``gpu/decode_gemm.c``), or None where the kernel does not run (no library, no
-    AVX-512, CUDA, another dtype)."""
+    rows, k-major inside a block: ``gpu/decode_gemm.c``), or None where the kernel does not run
+    (no library, no AVX-512, CUDA, another dtype)."""
     lib = _lib(weight)
     if lib is None or weight.dim() != 2 or not lib.rows_gemm_vector():
         return None
@@ -126,6 +126,12 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(lib.rows_packed_len(n, k), dtype=torch.float32)
     lib.rows_pack_f32(w.data_ptr(), n, k, out.data_ptr())
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _scratch_len(lib, m: int, k: int) -> int:
+    """Floats of the kernel's scratch for ``m`` rows of ``k`` (asked once per shape)."""
+    return int(lib.rows_scratch_len(m, k))
 
 
 def rows_linear(
@@ -139,8 +145,7 @@ def rows_linear(
     if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < m <= ROWS_MAX:
         return None
     k = x.shape[1]
-    cols = 0 if m <= 4 else 16 if m <= 16 else -(-m // 32) * 32
-    scratch = torch.empty(cols * k, dtype=torch.float32)
+    scratch = torch.empty(_scratch_len(lib, m, k), dtype=torch.float32)
     out = torch.empty(m, n, dtype=torch.float32)
     lib.rows_gemm_f32(
         x.data_ptr(), x.stride(0), m, packed.data_ptr(),

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 from typing import TYPE_CHECKING
+
+from gpu import switched_off
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,16 @@ TRIM_THRESHOLD = 1 << 30
 _done = False
 
 
+def _libc() -> ctypes.CDLL | None:
+    """The C library (Linux only), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def tune_malloc() -> bool:
     """Raise glibc's mmap and trim thresholds once per process; True if applied.
 
@@ -36,13 +47,8 @@ def tune_malloc() -> bool:
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
@@ -68,18 +74,15 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
     esize = torch.empty((), dtype=dtype).element_size()
     off_elems = HUGE_PAGE // esize
-    if os.environ.get("MINIRT_KV_HUGE_PAGES", "1").lower() in ("0", "false", "no", "off"):
+    if switched_off("MINIRT_KV_HUGE_PAGES"):
         return torch.zeros(numel, dtype=dtype)
     buf = torch.empty(numel + off_elems, dtype=dtype)
     base = buf.data_ptr()
     start = (base + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
     out = buf[(start - base) // esize :][:numel]
     length = (numel * esize) & ~(HUGE_PAGE - 1)
-    if sys.platform.startswith("linux") and length:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(start, length, _MADV_HUGEPAGE)  # advice only: failure changes nothing
-        except (OSError, AttributeError):
-            pass
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None and length:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(start, length, _MADV_HUGEPAGE)  # advice only: failure changes nothing
     return out.zero_()

@@ -20,6 +20,13 @@ int64_t rows_packed_len(int64_t n, int64_t k) {
     return ((n + RB - 1) / RB) * RB * k + 16;
 }
 
+int64_t rows_scratch_len(int64_t m, int64_t k) {
+    /* floats of rows_gemm_f32's xT scratch for m rows: x transposed, 16 columns for m <= 16,
+       else groups of 32; none for m <= 4 (those rows are read in place) */
+    if (m <= 4) return 0;
+    return (m <= 16 ? 16 : (m + 31) / 32 * 32) * k;
+}
+
 void rows_pack_f32(const float *w, int64_t n, int64_t k, float *out) {
     int64_t nb = (n + RB - 1) / RB;
 #pragma omp parallel for schedule(static)
@@ -104,8 +111,7 @@ static inline void put(float *out, int64_t N, int64_t M, int64_t n0, int64_t row
 int rows_gemm_vector(void) { return 1; }
 
 /* x: [M, K] rows xs floats apart; w: rows_pack_f32's copy of [N, K]; out: [M, N] contiguous;
- * xT: 64-byte aligned scratch of 16 * K floats for M <= 16, else 32 * ceil(M / 32) * K (x
- * transposed in groups of 32 columns); unused for M <= 4. */
+ * xT: 64-byte aligned scratch of rows_scratch_len(M, K) floats. */
 void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const float *bias,
                    int64_t N, int64_t K, float *xT, float *out) {
     int64_t nb = (N + RB - 1) / RB;

@@ -32,12 +32,10 @@ without the ops, a failed self-check, or ``MINIRT_PACKED_LINEAR=0`` all use plai
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_ops
+from gpu import cpu_ops, switched_off
 
 # The row count oneDNN is told to expect when packing; any row count works with the result.
 _PACK_HINT = 64
@@ -62,12 +60,12 @@ def bucket_rows(m: int) -> int:
 
 def rows_enabled() -> bool:
     """Whether float32 linears build the decode-row copy (see the module doc)."""
-    return os.environ.get("MINIRT_ROWS_LINEAR", "1").lower() not in ("0", "false", "no", "off")
+    return not switched_off("MINIRT_ROWS_LINEAR")
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`Linear` packs weights for this device and dtype."""
-    if os.environ.get("MINIRT_PACKED_LINEAR", "1").lower() in ("0", "false", "no", "off"):
+    if switched_off("MINIRT_PACKED_LINEAR"):
         return False
     if device.type != "cpu" or dtype not in _SUPPORTED:
         return False

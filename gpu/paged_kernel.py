@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from gpu import switched_off
+
 # one library: the decode attention, the fused elementwise ops of gpu.cpu_ops and the
 # decode-sized linears of gpu.linear
 _SOURCE = "\n".join(
@@ -117,8 +119,8 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p]
-    lib.rows_packed_len.restype = i64
-    lib.rows_packed_len.argtypes = [i64, i64]
+    lib.rows_packed_len.restype = lib.rows_scratch_len.restype = i64
+    lib.rows_packed_len.argtypes = lib.rows_scratch_len.argtypes = [i64, i64]
     lib.rows_pack_f32.restype = lib.rows_gemm_f32.restype = None
     lib.rows_pack_f32.argtypes = [p, i64, i64, p]
     lib.rows_gemm_f32.argtypes = [p, i64, i64, p, p, i64, i64, p, p]
@@ -132,7 +134,7 @@ def kernel() -> ctypes.CDLL | None:
     global _lib, _tried
     if not _tried:
         _tried = True
-        if os.environ.get("MINIRT_PAGED_KERNEL", "1").lower() not in ("0", "false", "no", "off"):
+        if not switched_off("MINIRT_PAGED_KERNEL"):
             try:
                 _lib = _build()
             except OSError:

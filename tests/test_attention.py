@@ -112,8 +112,7 @@ def test_packing_can_be_switched_off(monkeypatch):
 @pytest.mark.skipif(
     not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
-def test_lone_rows_use_the_kept_plain_weight_in_float32_only(monkeypatch):
-    monkeypatch.setenv("MINIRT_ROWS_LINEAR", "0")  # only the plain and the packed copies
+def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
     torch.manual_seed(0)
     w, b = torch.randn(96, 40), torch.randn(96)
     lin = Linear(w, b, pack=True, keep_plain=True)

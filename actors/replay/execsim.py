@@ -100,8 +100,7 @@ class SimExecutor:
     def handle(self, msg: Any) -> None:
         self.mailbox.append(msg)
         if self.gathering:
-            while self.mailbox:
-                self._apply(self.mailbox.popleft())
+            self._drain()
             if not self.more_coming or self._fills_a_step():
                 self._gathered(self.gathering)
         elif not self.busy:
@@ -109,6 +108,10 @@ class SimExecutor:
             self.loop.at(self.loop.now, self._iterate)
 
     # ------------------------------------------------------------------ loop
+    def _drain(self) -> None:
+        while self.mailbox:
+            self._apply(self.mailbox.popleft())
+
     def _gathered(self, wait: int) -> None:
         """The burst the idle executor waited for is in (or the wait ran out): step."""
         if self.gathering != wait:
@@ -129,8 +132,7 @@ class SimExecutor:
 
     def _iterate(self) -> None:
         idle = not (self.prefilling or self.decoding)
-        while self.mailbox:
-            self._apply(self.mailbox.popleft())
+        self._drain()
         if idle and self.more_coming and self.burst_wait_s > 0 and self.prefilling:
             # as the actor: wait (bounded) for the rest of a burst before the first step
             self.waits += 1
