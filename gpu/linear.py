@@ -32,6 +32,8 @@ without the ops, a failed self-check, or ``MINIRT_PACKED_LINEAR=0`` all use plai
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -40,13 +42,14 @@ from gpu import cpu_ops, switched_off
 # The row count oneDNN is told to expect when packing; any row count works with the result.
 _PACK_HINT = 64
 TILE_ROWS = 256
-# One or two rows (a lone decode) in float32: MKL's gemv through ``F.linear`` reads the weight
-# faster than oneDNN's packed kernel (measured single-threaded, LM head 32000 x 512 at 1 row:
-# 4.2-4.7 ms vs 5.5-5.8 ms; 2816 x 512: 0.21 vs 0.31-0.33 ms); from 8 rows on, packed wins. In
-# bfloat16 the packed kernel wins at every row count. Used where the plain weight is resident
-# anyway (the LM head tied to the embedding), or when asked to keep it; then it also beats the
-# decode-row copy (see the module doc) on weights that sit in cache (the bench model's layers
-# at 1 row: 29-180 vs 40-203 us a call), and the copy takes 3 rows and more.
+# One or two rows (a lone decode) in float32 on an Intel CPU: MKL's gemv through ``F.linear``
+# reads the weight faster than oneDNN's packed kernel (measured single-threaded on a Xeon, LM
+# head 32000 x 512 at 1 row: 4.2-4.7 ms vs 5.5-5.8 ms; 2816 x 512: 0.21 vs 0.31-0.33 ms); from
+# 8 rows on, packed wins. In bfloat16 the packed kernel wins at every row count. Used where the
+# plain weight is resident anyway (the LM head tied to the embedding), or when asked to keep
+# it; then it also beats the decode-row copy (see the module doc) on weights that sit in cache
+# (the bench model's layers at 1 row: 29-180 vs 40-203 us a call), and the copy takes 3 rows
+# and more. Not on other CPUs (:func:`mkl_gemv_fast`).
 GEMV_ROWS = 2
 _SUPPORTED = (torch.float32, torch.bfloat16)
 
@@ -56,6 +59,20 @@ def bucket_rows(m: int) -> int:
     if m <= 8:
         return 1 << (m - 1).bit_length()
     return -(-m // 8) * 8
+
+
+@functools.cache
+def mkl_gemv_fast() -> bool:
+    """Whether MKL's gemv is the fast one-or-two-row path (:data:`GEMV_ROWS`): on Intel CPUs
+    only. MKL picks its code path by CPU vendor, and on an AMD Zen 5 (AVX-512) it runs 2-4x
+    slower than the decode-row kernel or oneDNN (2 threads, weights from DRAM: the bench model's
+    LM head at 1 row 5.2 ms vs 1.3-1.7 ms, its MLP's gate/up 475 vs 213-232 us), which made a
+    lone decode step 1.6x vLLM's there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("vendor_id") and "GenuineIntel" in ln for ln in f)
+    except OSError:
+        return False
 
 
 def rows_enabled() -> bool:
@@ -78,8 +95,8 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` for 2-D ``x``; the weight is packed at construction when
     :func:`packing_enabled`, after which the unpacked weight is not kept (``weight`` is None)
-    unless ``keep_plain``: then calls of at most :data:`GEMV_ROWS` rows in float32 use it through
-    ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights also get the decode-row copy
+    unless ``keep_plain`` where :func:`mkl_gemv_fast`: then calls of at most :data:`GEMV_ROWS`
+    rows in float32 use it through ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights also get the decode-row copy
     (``rows``) where the kernel library runs and :func:`rows_enabled`: calls of at most
     :data:`gpu.cpu_ops.ROWS_MAX` rows that the plain weight does not take use it."""
 
@@ -98,7 +115,7 @@ class Linear:
             if self.packed is not None:
                 if weight.dtype == torch.float32 and rows_enabled():
                     self.rows = cpu_ops.pack_rows(weight)
-                if keep_plain and weight.dtype == torch.float32:
+                if keep_plain and weight.dtype == torch.float32 and mkl_gemv_fast():
                     self.gemv_rows = GEMV_ROWS
                 else:
                     self.weight = None

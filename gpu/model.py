@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gpu import cpu_ops, paged_kernel
 from gpu.attention import AttentionMetadata, paged_attention
 from gpu.kv_cache import PagedKVCache
-from gpu.linear import TILE_ROWS, Linear, packing_enabled
+from gpu.linear import TILE_ROWS, Linear, mkl_gemv_fast, packing_enabled
 from gpu.loader import ModelSpec
 
 
@@ -71,7 +71,8 @@ def rope(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
 
 
 # Layers keep their plain float32 weights beside the packed ones (for lone decodes, see
-# gpu.linear.GEMV_ROWS) when those copies take at most this much memory: the bench model's 90 MB
+# gpu.linear.GEMV_ROWS; on Intel CPUs only) when those copies take at most this much memory:
+# the bench model's 90 MB
 # cut a batch-1 decode step from 18.0 to 13.8 ms (1 thread, thread time, min of 40, interleaved
 # with the packed-only build); a 0.4B model's 1.4 GB would cost more memory than it is worth
 # (its weights come from DRAM, where the decode-row copy of gpu.linear reads as fast).
@@ -152,7 +153,7 @@ class LlamaFamilyModel:
             for n, t in weights.items()
             if n.startswith("model.layers.")
         )
-        plain = layer_bytes <= PLAIN_COPY_BUDGET
+        plain = layer_bytes <= PLAIN_COPY_BUDGET and mkl_gemv_fast()
         self.layers = [
             _Layer(weights, f"model.layers.{i}.", device, plain, dtype, norm_dt)
             for i in range(spec.num_layers)

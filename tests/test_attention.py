@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu import paged_kernel
+from gpu import linear, paged_kernel
 from gpu.attention import build_metadata, group_by_length, paged_attention
 from gpu.kv_cache import PagedKVCache
 from gpu.linear import Linear, packing_enabled
@@ -112,7 +112,8 @@ def test_packing_can_be_switched_off(monkeypatch):
 @pytest.mark.skipif(
     not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
-def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
+def test_lone_rows_use_the_kept_plain_weight_in_float32_only(monkeypatch):
+    monkeypatch.setattr(linear, "mkl_gemv_fast", lambda: True)  # an Intel CPU
     torch.manual_seed(0)
     w, b = torch.randn(96, 40), torch.randn(96)
     lin = Linear(w, b, pack=True, keep_plain=True)
@@ -131,9 +132,10 @@ def test_lone_rows_use_the_kept_plain_weight_in_float32_only():
 @pytest.mark.skipif(
     not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
-def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one():
+def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one(monkeypatch):
     from gpu import cpu_ops
 
+    monkeypatch.setattr(linear, "mkl_gemv_fast", lambda: True)  # an Intel CPU
     torch.manual_seed(0)
     w, b = torch.randn(100, 64), torch.randn(100)
     lin = Linear(w, b, pack=True, keep_plain=True)
@@ -149,6 +151,25 @@ def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one():
             assert torch.equal(got, cpu_ops.rows_linear(x, lin.rows, b, 100))
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert Linear(w.bfloat16(), None, pack=True).rows is None  # float32 only
+
+
+@pytest.mark.skipif(
+    not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+def test_off_intel_lone_rows_skip_mkl_and_the_plain_copy_is_not_kept(monkeypatch):
+    """MKL's gemv is slow off Intel CPUs (2-4x the decode-row kernel on a Zen 5): one row goes
+    through the row copy (or the packed weight), and a layer does not keep its plain copy."""
+    from gpu import cpu_ops
+
+    monkeypatch.setattr(linear, "mkl_gemv_fast", lambda: False)
+    torch.manual_seed(0)
+    w, b = torch.randn(100, 64), torch.randn(100)
+    lin = Linear(w, b, pack=True, keep_plain=True)
+    assert lin.weight is None and lin.gemv_rows == 0
+    x = torch.randn(1, 64)
+    if lin.rows is not None:
+        assert torch.equal(lin(x), cpu_ops.rows_linear(x, lin.rows, b, 100))
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_loading_the_paged_kernel_keeps_subnormal_floats() -> None:
