@@ -69,7 +69,7 @@ def test_grouped_decode_attention_equals_one_padded_batch(dtype):
         outs.append(paged_attention(q, k, v, cache, 0, meta, d**-0.5))
     if paged_kernel.usable(torch.device("cpu"), dtype):
         meta = build_metadata(decodes, [], cache, dtype, torch.device("cpu"))
-        assert meta.decode_tables is not None and not meta.decode_groups
+        assert meta.kernel_tables is not None and not meta.decode_groups
         outs.append(paged_attention(q, k, v, cache, 0, meta, d**-0.5))
     for out in outs[1:]:
         torch.testing.assert_close(outs[0], out, **tol)
