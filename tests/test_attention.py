@@ -231,3 +231,44 @@ def test_paged_kernel_bodies_attend_like_sdpa(dtype, heads, kvh, d, bs):
         torch.testing.assert_close(port[i].float(), want, **tol)
     if "avx512f" in Path("/proc/cpuinfo").read_text():
         assert paged_kernel.vector(dtype, d)  # the vector body is what ran above
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_through_the_kernel_match_sdpa_and_ignore_chunking(dtype):
+    """Prefill chunks (one from the start, one over cached context) beside decodes: through the
+    paged kernel they equal SDPA's path, and a prompt split into two chunks gives its rows the
+    same attention, bit for bit, as one chunk (each row is attended over its own prefix)."""
+    if not paged_kernel.usable(torch.device("cpu"), dtype):
+        pytest.skip("no paged kernel on this machine")
+    torch.manual_seed(1)
+    rng = random.Random(1)
+    kvh, heads, d, bs = 2, 8, 16, 4
+    cache = PagedKVCache(1, kvh, d, 400, bs, dtype, torch.device("cpu"))
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    free = list(range(400))
+    rng.shuffle(free)
+    decodes = [([free.pop() for _ in range(p // bs + 1)], p) for p in (5, 40)]
+    t1 = [free.pop() for _ in range(30 // bs + 1)]  # a 30-token prompt from the start
+    t2 = [free.pop() for _ in range(57 // bs + 1)]  # positions 20..56 over 20 cached ones
+    prefills = [(t1, 0, 30), (t2, 20, 37)]
+    n = 2 + 30 + 37
+    q = torch.randn(n, heads, d).to(dtype)
+    k = torch.randn(n, kvh, d).to(dtype)
+    v = torch.randn(n, kvh, d).to(dtype)
+    cpu = torch.device("cpu")
+    outs = {}
+    for kern in (False, True):
+        meta = build_metadata(decodes, prefills, cache, dtype, cpu, prefill_kernel=kern)
+        assert meta.prefill_kernel is kern
+        outs[kern] = paged_attention(q, k, v, cache, 0, meta, d**-0.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[True], outs[False], **tol)
+    # the 30-token prompt again, as chunks of 12 and 18 rows in two steps
+    rows = slice(2, 32)
+    split = []
+    for start, length in ((0, 12), (12, 18)):
+        r = slice(2 + start, 2 + start + length)
+        meta = build_metadata([], [(t1, start, length)], cache, dtype, cpu, prefill_kernel=True)
+        split.append(paged_attention(q[r], k[r], v[r], cache, 0, meta, d**-0.5))
+    assert torch.equal(torch.cat(split), outs[True][rows])
