@@ -74,6 +74,9 @@ class AttentionMetadata:
 # cost is about that of gathering and multiplying 64 blocks of context).
 GROUP_COST_BLOCKS = 64
 _MAX_CANDIDATES = 48
+# The most block-table entries (rows x blocks, int64) a step's kernel rows may take with the
+# prefill rows among them: 32 MB, e.g. 8,192 rows at contexts up to 8,192 tokens of 16-slot blocks.
+KERNEL_TABLE_MAX = 1 << 22
 
 
 def group_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS) -> list[list[int]]:
@@ -136,7 +139,8 @@ def build_metadata(
     head_dim]``); decode ones address ``cache.block_k[layer]`` (one row per block and head).
     ``group_cost``: see :func:`group_by_length`. ``decode_kernel``: decodes through
     :mod:`gpu.paged_kernel` (None: wherever it runs); ``prefill_kernel``: prefill rows too (None:
-    with the decodes, unless ``MINIRT_PAGED_PREFILL`` is off).
+    with the decodes, unless ``MINIRT_PAGED_PREFILL`` is off; never when their per-row tables
+    would pass :data:`KERNEL_TABLE_MAX` entries).
     """
     bs = cache.block_size
     heads = torch.arange(cache.num_kv_heads, dtype=torch.long)[:, None]
@@ -150,7 +154,12 @@ def build_metadata(
         decode_kernel = paged_kernel.usable(device, dtype)
     if prefill_kernel is None:
         prefill_kernel = not switched_off("MINIRT_PAGED_PREFILL")
-    prefill_kernel = bool(decode_kernel and prefill_kernel and prefills)
+    if decode_kernel and prefill_kernel and prefills:
+        # a table row per prefill row: bounded (very long contexts take SDPA's path instead)
+        width = max([p for _, p in decodes] + [s + n - 1 for _, s, n in prefills]) // bs + 1
+        prefill_kernel = (len(decodes) + sum(n for *_, n in prefills)) * width <= KERNEL_TABLE_MAX
+    else:
+        prefill_kernel = False
     tables = lens = None
     if decode_kernel and (decodes or prefill_kernel):
         ends = [p for _, p in decodes]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu import linear, paged_kernel
+from gpu import attention, linear, paged_kernel
 from gpu.attention import build_metadata, group_by_length, paged_attention
 from gpu.kv_cache import PagedKVCache
 from gpu.linear import Linear, packing_enabled
@@ -234,7 +234,7 @@ def test_paged_kernel_bodies_attend_like_sdpa(dtype, heads, kvh, d, bs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_rows_through_the_kernel_match_sdpa_and_ignore_chunking(dtype):
+def test_prefill_rows_through_the_kernel_match_sdpa_and_ignore_chunking(dtype, monkeypatch):
     """Prefill chunks (one from the start, one over cached context) beside decodes: through the
     paged kernel they equal SDPA's path, and a prompt split into two chunks gives its rows the
     same attention, bit for bit, as one chunk (each row is attended over its own prefix)."""
@@ -272,3 +272,8 @@ def test_prefill_rows_through_the_kernel_match_sdpa_and_ignore_chunking(dtype):
         meta = build_metadata([], [(t1, start, length)], cache, dtype, cpu, prefill_kernel=True)
         split.append(paged_attention(q[r], k[r], v[r], cache, 0, meta, d**-0.5))
     assert torch.equal(torch.cat(split), outs[True][rows])
+    # a step whose per-row tables would exceed the cap takes SDPA's path for its prefill rows
+    monkeypatch.setattr(attention, "KERNEL_TABLE_MAX", n * (57 // bs + 1) - 1)
+    meta = build_metadata(decodes, prefills, cache, dtype, cpu)
+    assert not meta.prefill_kernel and meta.kernel_tables is not None  # decodes still use it
+    torch.testing.assert_close(paged_attention(q, k, v, cache, 0, meta, d**-0.5), outs[False])
