@@ -6,8 +6,8 @@ and so do prefill rows: each row is attended as a decode at its own position, ov
 prefix in the cache (``MINIRT_PAGED_PREFILL=0`` sends them through SDPA as below). That beat
 SDPA's CPU flash attention 1.6-1.7x on an 805-token causal prompt (8/2 heads, head_dim 64: 4.3
 vs 7.4 ms a layer, outputs within 7e-7), needs no gather of a chunk's cached context, and a
-row's result no longer depends on where its chunk starts. Elsewhere (or without a C compiler) they are attended in a few groups of similar context length
-(see :func:`group_by_length`): each group's context blocks are gathered from the cache into ``[kv_heads, B, L, head_dim]``
+row's result no longer depends on where its chunk starts. Elsewhere (or without a C compiler)
+decodes are attended in a few groups of similar context length (see :func:`group_by_length`): each group's context blocks are gathered from the cache into ``[kv_heads, B, L, head_dim]``
 (L = the group's longest context rounded up to a block, a mask hides the tail) and two batched
 matmuls compute the whole group. Grouping bounds the padding: one group for contexts of 100 and
 300 tokens would gather and multiply 50% padding. Each prefill chunk runs one
@@ -154,29 +154,29 @@ def build_metadata(
         decode_kernel = paged_kernel.usable(device, dtype)
     if prefill_kernel is None:
         prefill_kernel = not switched_off("MINIRT_PAGED_PREFILL")
-    if decode_kernel and prefill_kernel and prefills:
-        # a table row per prefill row: bounded (very long contexts take SDPA's path instead)
-        width = max([p for _, p in decodes] + [s + n - 1 for _, s, n in prefills]) // bs + 1
-        prefill_kernel = (len(decodes) + sum(n for *_, n in prefills)) * width <= KERNEL_TABLE_MAX
-    else:
-        prefill_kernel = False
     tables = lens = None
-    if decode_kernel and (decodes or prefill_kernel):
+    if decode_kernel and (decodes or prefills):
         ends = [p for _, p in decodes]
-        ends += [s + n - 1 for _, s, n in prefills] if prefill_kernel else []
-        width = max(ends) // bs + 1
+        width = max(ends + [s + n - 1 for _, s, n in prefills]) // bs + 1
+        # a table row per prefill row: bounded (very long contexts take SDPA's path instead)
+        rows_in = len(decodes) + sum(n for *_, n in prefills)
+        prefill_kernel = bool(prefills and prefill_kernel and rows_in * width <= KERNEL_TABLE_MAX)
+        if not prefill_kernel and decodes:
+            width = max(ends) // bs + 1
         tabs = [
             torch.tensor([(t[: p // bs + 1] + [0] * width)[:width] for t, p in decodes])
         ] if decodes else []  # fmt: skip
-        lens_parts = [torch.tensor([p + 1 for _, p in decodes])] if decodes else []
+        lens_parts = [torch.tensor([p + 1 for p in ends])] if decodes else []
         for table, start, length in prefills if prefill_kernel else []:
             nblk = (start + length - 1) // bs + 1
             row = torch.zeros(width, dtype=torch.long)
             row[:nblk] = torch.tensor(table[:nblk])
             tabs.append(row.expand(length, width))  # one table for the chunk's rows
             lens_parts.append(torch.arange(start + 1, start + length + 1))
-        tables = torch.cat(tabs).to(torch.long).contiguous()
-        lens = torch.cat(lens_parts).to(torch.long)
+        if tabs:
+            tables, lens = torch.cat(tabs), torch.cat(lens_parts)
+    else:
+        prefill_kernel = False
     members = (
         [] if decode_kernel else group_by_length([p // bs + 1 for _, p in decodes], group_cost)
     )

@@ -96,9 +96,10 @@ class Linear:
     """``y = x @ weight.T + bias`` for 2-D ``x``; the weight is packed at construction when
     :func:`packing_enabled`, after which the unpacked weight is not kept (``weight`` is None)
     unless ``keep_plain`` where :func:`mkl_gemv_fast`: then calls of at most :data:`GEMV_ROWS`
-    rows in float32 use it through ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights also get the decode-row copy
-    (``rows``) where the kernel library runs and :func:`rows_enabled`: calls of at most
-    :data:`gpu.cpu_ops.ROWS_MAX` rows that the plain weight does not take use it."""
+    rows in float32 use it through ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights
+    also get the decode-row copy (``rows``) where the kernel library runs and
+    :func:`rows_enabled`: calls of at most :data:`gpu.cpu_ops.ROWS_MAX` rows that the plain
+    weight does not take use it."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, keep_plain: bool = False

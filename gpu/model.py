@@ -72,10 +72,10 @@ def rope(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
 
 # Layers keep their plain float32 weights beside the packed ones (for lone decodes, see
 # gpu.linear.GEMV_ROWS; on Intel CPUs only) when those copies take at most this much memory:
-# the bench model's 90 MB
-# cut a batch-1 decode step from 18.0 to 13.8 ms (1 thread, thread time, min of 40, interleaved
-# with the packed-only build); a 0.4B model's 1.4 GB would cost more memory than it is worth
-# (its weights come from DRAM, where the decode-row copy of gpu.linear reads as fast).
+# the bench model's 90 MB cut a batch-1 decode step from 18.0 to 13.8 ms (1 thread, thread
+# time, min of 40, interleaved with the packed-only build); a 0.4B model's 1.4 GB would cost
+# more memory than it is worth (its weights come from DRAM, where the decode-row copy of
+# gpu.linear reads as fast).
 PLAIN_COPY_BUDGET = 512 << 20
 
 

@@ -42,18 +42,26 @@ def test_grouping_splits_short_from_long_contexts_only_when_worth_it():
     assert group_by_length([], 64) == []
 
 
+def _random_cache(
+    kvh: int, d: int, blocks: int, bs: int, dtype: torch.dtype, seed: int
+) -> tuple[PagedKVCache, list[int], random.Random]:
+    """A one-layer cache of random K/V, its block ids in shuffled order, and the seeded RNG."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    cache = PagedKVCache(1, kvh, d, blocks, bs, dtype, torch.device("cpu"))
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    free = list(range(blocks))
+    rng.shuffle(free)
+    return cache, free, rng
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_decode_attention_equals_one_padded_batch(dtype):
     """Many groups (group_cost 0), one group (huge cost) and the CPU kernel (where it builds)
     attend to the same contexts."""
-    torch.manual_seed(0)
-    rng = random.Random(0)
     kvh, heads, d, bs = 2, 8, 16, 4
-    cache = PagedKVCache(1, kvh, d, 1000, bs, dtype, torch.device("cpu"))
-    cache.k[0].normal_()
-    cache.v[0].normal_()
-    free = list(range(1000))
-    rng.shuffle(free)
+    cache, free, rng = _random_cache(kvh, d, 1000, bs, dtype, seed=0)
     decodes = []
     for _ in range(23):
         pos = rng.randint(0, 150)
@@ -240,14 +248,8 @@ def test_prefill_rows_through_the_kernel_match_sdpa_and_ignore_chunking(dtype, m
     same attention, bit for bit, as one chunk (each row is attended over its own prefix)."""
     if not paged_kernel.usable(torch.device("cpu"), dtype):
         pytest.skip("no paged kernel on this machine")
-    torch.manual_seed(1)
-    rng = random.Random(1)
     kvh, heads, d, bs = 2, 8, 16, 4
-    cache = PagedKVCache(1, kvh, d, 400, bs, dtype, torch.device("cpu"))
-    cache.k[0].normal_()
-    cache.v[0].normal_()
-    free = list(range(400))
-    rng.shuffle(free)
+    cache, free, _ = _random_cache(kvh, d, 400, bs, dtype, seed=1)
     decodes = [([free.pop() for _ in range(p // bs + 1)], p) for p in (5, 40)]
     t1 = [free.pop() for _ in range(30 // bs + 1)]  # a 30-token prompt from the start
     t2 = [free.pop() for _ in range(57 // bs + 1)]  # positions 20..56 over 20 cached ones
