@@ -93,6 +93,23 @@ def test_a_run_says_more_while_the_next_admission_is_already_out():
     assert [r.more for r in sent(core, "executor", xm.Run)] == [False]
 
 
+def test_a_run_says_more_when_the_burst_arrived_before_it_left():
+    """The first request of a burst is granted before the rest reach the queue, but they are
+    submitted before its run leaves (the actor handles what is waiting first): the run says
+    more, so the executor does not step that request alone."""
+    core, _ = make()
+    submit(core, "a")
+    core.take_outbox()
+    admit_ok(core, "a")  # nothing else queued yet
+    submit(core, "b")  # waiting in the inbox behind the grant
+    out = core.take_outbox()
+    [run] = [m for _, m in out if isinstance(m, xm.Run)]
+    [ask] = [m for _, m in out if isinstance(m, km.Admit)]
+    assert run.request_id == "a" and run.more and ask.request_id == "b"
+    admit_ok(core, "b")  # the last of the burst
+    assert [r.more for r in sent(core, "executor", xm.Run)] == [False]
+
+
 def test_full_mode_reserves_prompt_plus_max_tokens_but_the_last():
     core, _ = make(mode="full")
     submit(core, "a", n=6, max_tokens=8)

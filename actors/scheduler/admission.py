@@ -8,8 +8,9 @@ One pass of ``schedule`` (core.py) takes these steps, each its own method:
 3. ``_offer``: the head is offered (``kv_admit`` with its reservation; ADMITTING), logged as
    ``request.aged`` if it waited past ``max_wait_s``.
 The answer (``admit_result``) runs the request, or parks admission (BLOCKED) until ``freed``, or
-fails the request when it can never fit. A run sent while the next admission is already out is
-marked ``more`` (a burst is being admitted: an idle executor waits for the rest).
+fails the request when it can never fit. A run that leaves while the next admission is already out
+is marked ``more`` (a burst is being admitted: an idle executor waits for the rest; decided in
+``take_outbox``, base.py).
 """
 
 from __future__ import annotations
@@ -117,12 +118,7 @@ class AdmissionMixin(CoreBase):
             )
             self._drop(req)
         else:
-            run = self._granted(req, msg)
-            self.schedule()
-            # Another admission is out right behind it (a burst): an idle executor waits for it
-            # instead of starting a step with this request alone. (Sent after this handler.)
-            run.more = self.admission in (AdmissionState.ADMITTING, AdmissionState.MATCHING)
-            return
+            self._granted(req, msg)
         self.schedule()
 
     def _refused(self, req: SchedRequest, msg: AdmitResult) -> None:
@@ -146,7 +142,7 @@ class AdmissionMixin(CoreBase):
             req.status = Status.WAITING
             self.admission = AdmissionState.BLOCKED
 
-    def _granted(self, req: SchedRequest, msg: AdmitResult) -> xm.Run:
+    def _granted(self, req: SchedRequest, msg: AdmitResult) -> None:
         self.queue.remove(req.request_id)
         self.defer.admitted(req, msg.cached_tokens)
         self._admit_seq += 1
@@ -182,7 +178,6 @@ class AdmissionMixin(CoreBase):
             attempt=req.attempt,
         )
         self._send("tokenizer", admitted)
-        return run
 
     def blocks_freed(self, msg: BlocksFreed) -> None:
         """Blocks came back (the answer to every finish/release): a parked admission retries."""

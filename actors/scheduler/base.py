@@ -17,6 +17,7 @@ from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.prefix_defer import PrefixDeferral
 from actors.scheduler.queue import WaitingQueue, make_queue
 from actors.scheduler.state import SchedRequest, Status
+from messages import executor as xm
 from messages import kv as km
 from messages import tokenizer as tm
 
@@ -78,8 +79,19 @@ class CoreBase(abc.ABC):
         self._send("kv_manager", msg)
 
     def take_outbox(self) -> list[Outgoing]:
-        """The messages to send, as ``(peer, message)`` in order; empties the outbox."""
+        """The messages to send, as ``(peer, message)`` in order; empties the outbox.
+
+        Each run says whether more follow it (``x_run.more``), decided here, when it leaves,
+        not when it was granted: a run followed by another in the same outbox, or sent while
+        the next admission is out, says more. The actor handles every message already waiting
+        before it takes the outbox, so a burst's requests that reached the scheduler while the
+        first one's blocks were being granted count too (an idle executor waits for them)."""
         out, self.outbox = self.outbox, []
+        behind = self.admission in (AdmissionState.ADMITTING, AdmissionState.MATCHING)
+        for _, msg in reversed(out):
+            if isinstance(msg, xm.Run):
+                msg.more = behind
+                behind = True
         return out
 
     # -------------------------------------------------------------- endings
