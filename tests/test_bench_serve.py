@@ -34,3 +34,33 @@ def test_bench_serve_writes_report_with_variants(tiny_model, tmp_path):
     assert "minirt bench serve" in md and "| fcfs (short) |" in md
     assert (out / "ttft_cdf.png").stat().st_size > 1000
     assert (out / "throughput_kv.png").stat().st_size > 1000
+
+
+def test_compare_rounds_interleave_the_systems_and_report_medians(
+    tiny_model, tmp_path, monkeypatch
+):
+    """``--compare --rounds 2``: the pipeline runs twice (a runtime each time), the executor
+    alone after each, and the report's rows are the rounds' medians beside each round's ratios
+    (vLLM is left out here: it has its own venv and tests)."""
+    from actors.bench import compare
+
+    monkeypatch.setattr(compare, "vllm_tok_s", lambda *a: (0.0, "not in this test"))
+    out = tmp_path / "report"
+    argv = ["--start", "--model", str(tiny_model), "--workload", "w1", "--requests", "8"]
+    assert main([*argv, "--compare", "--rounds", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "report.json").read_text())
+    per = data["compare_rounds"]
+    assert [r["round"] for r in per] == [1, 2]
+    for r in per:
+        assert r["pipeline_tok_s"] > 0 and r["executor_alone_tok_s"] > 0
+        assert (
+            abs(r["pipeline_over_executor"] * r["executor_alone_tok_s"] - r["pipeline_tok_s"])
+            < 1e-6
+        )
+    rows = {r["run"]: r for r in data["compare"]}
+    pipe = rows["minirt pipeline (minirt)"]["throughput_tok_s"]
+    assert abs(pipe - sum(r["pipeline_tok_s"] for r in per) / 2) < 1e-6  # the median of two
+    assert data["runs"]["minirt"]["summary"]["throughput_tok_s"] == per[0]["pipeline_tok_s"]
+    assert "vLLM skipped: not in this test" in rows
+    md = (out / "README.md").read_text()
+    assert "medians of 2 interleaved rounds" in md and "### Each round" in md

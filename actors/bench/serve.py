@@ -2,8 +2,9 @@
 
 Against a running runtime (``--run-dir``, default .minirt) or one it starts per variant
 (``--start --model DIR --variant NAME='--flag value ...'``). ``--compare`` adds, in the same run,
-the executor alone and transformers' static batched generate and continuous batching on the same
-prompts (workloads whose requests all arrive at t=0). ``--sweep`` runs Poisson arrivals at each
+the executor alone, vLLM's CPU backend and transformers' static batched generate and continuous
+batching on the same prompts (workloads whose requests all arrive at t=0; actors/bench/compare.py),
+``--rounds N`` the pipeline, the executor alone and vLLM N times interleaved. ``--sweep`` runs Poisson arrivals at each
 rate. Writes report.json, README.md (Markdown summary) and PNG plots into ``--out``.
 """
 
@@ -69,6 +70,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="also run the executor alone and transformers (static, continuous) here",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --compare: run the pipeline, the executor alone and vLLM this many times, "
+        "interleaved; the report gives each round and the medians",
+    )
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--out", help="report directory (default bench-out/WORKLOAD-TIME)")
     p.add_argument("--seed", type=int, default=0)
@@ -127,14 +135,16 @@ def progress_printer(total: int) -> Any:
     return tick
 
 
-def run_once(a: argparse.Namespace, name: str, flags: str, jobs: list[Job]) -> dict[str, Any]:
+def run_once(
+    a: argparse.Namespace, name: str, flags: str, jobs: list[Job], keep: bool = True
+) -> dict[str, Any]:
     with runtime(a, flags) as (endpoint, run_dir):
         print(f"{name}: {len(jobs)} requests", file=sys.stderr)
         t_start = time.time()
         records, wall = trio.run(drive, endpoint, jobs, a.concurrency, progress_printer(len(jobs)))
         t_end = time.time()
         events = read_events(run_dir)
-        if a.out:  # keep the run's events: `minirt replay OUT --run NAME` replays it
+        if a.out and keep:  # keep the run's events: `minirt replay OUT --run NAME` replays it
             keep_run(events, t_start - 1.0, t_end + 1.0, Path(a.out) / "runs" / slug(name))
     recs = [r.summary() for r in records]
     run = {
@@ -151,78 +161,46 @@ def run_once(a: argparse.Namespace, name: str, flags: str, jobs: list[Job]) -> d
     return run
 
 
-def compare_rows(
-    a: argparse.Namespace, jobs: list[Job], pipeline_tok_s: float
-) -> list[dict[str, Any]]:
-    """The same prompts through the executor alone and transformers, in this process."""
-    import torch
+def _compare(
+    a: argparse.Namespace,
+    runs: dict[str, dict[str, Any]],
+    flags: str,
+    jobs: list[Job],
+    data: dict[str, Any],
+) -> list[str]:
+    """The ``--compare`` rows (actors.bench.compare), over ``--rounds`` interleaved rounds."""
+    from actors.bench.compare import ROUND_COLS, compare
 
-    from actors.bench import executor as be
-    from gpu.executor import Executor
-    from gpu.loader import load_spec
+    first = next(iter(runs.values()))
 
-    torch.set_num_threads(2)
+    def again(k: int) -> float:
+        run = run_once(
+            a, f"{first['name']} round {k}", flags, [Job(**vars(j)) for j in jobs], False
+        )
+        return float(run["summary"]["throughput_tok_s"])
+
     model = Path(a.model) if a.model else default_bench_model()
-    spec = load_spec(model)
-    prompts, new = [j.prompt for j in jobs], jobs[0].max_tokens
-    blocks = sum(-(-(len(p) + new) // 16) for p in prompts) + 64
-    from actors.runtime.config import ExecutorConfig, SchedulerConfig
-
-    # the budgets the runtime runs with by default (a smaller one would slow this row down)
-    x, sc = ExecutorConfig(), SchedulerConfig()
-    ex = Executor(
+    rows, per = compare(
         model,
-        num_blocks=blocks,
-        chunk_cap=x.chunk_cap,
-        step_budget=x.step_budget,
-        max_batch_size=sc.max_batch_size,
-        threads=2,
+        [j.prompt for j in jobs],
+        jobs[0].max_tokens,
+        first["summary"]["throughput_tok_s"],
+        again,
+        a.rounds,
     )
-    be.run_ours(ex, be.workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
-    secs, outs, _ = be.run_ours(ex, prompts, new)
-    n = sum(len(o) for o in outs)
-    rows: list[dict[str, Any]] = [
-        {"run": "executor alone (same process, no actors)", "throughput_tok_s": n / secs}
+    rows[0]["run"] = f"minirt pipeline ({first['name']})"
+    data["compare"], data["compare_rounds"] = rows, per
+    title = "same run" if a.rounds <= 1 else f"medians of {a.rounds} interleaved rounds"
+    out = [
+        f"\n## Same workload, {title} (output tokens/s)\n",
+        report.table(rows, ["run", "throughput_tok_s", "minirt_pipeline_x"]),
     ]
-    dt = ex.dtype
-    del ex
-    from actors.bench.vllm_row import bench_row  # vLLM CPU offline, its own venv and process
-
-    v = bench_row(  # with its prefix cache, as the pipeline has one (W2 shares prefixes)
-        model,
-        prompts,
-        new,
-        outs,
-        n / secs,
-        single_runs=1,  # its time alone is not in this report
-        max_model_len=spec.max_model_len,
-        prefix_caching=True,
-    )
-    rows.append(
-        {"run": "vLLM CPU offline LLM.generate", "throughput_tok_s": v["vllm_tok_s"]}
-        if "vllm_tok_s" in v
-        else {"run": f"vLLM skipped: {v['vllm_skipped'][-300:]}", "throughput_tok_s": 0.0}
-    )
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dt).eval()
-    pad = int(spec.hf_config.pad_token_id or 0)
-    secs, _, outs = be.run_hf_static(hf, prompts, new, 16, pad)
-    rows.append(
-        {"run": "transformers generate (static batches of 16)", "throughput_tok_s": n / secs}
-    )
-    try:
-        secs, _, outs = be.run_hf_cb(hf, prompts, new, pad, 2048)
-        rows.append(
-            {"run": "transformers generate_batch (continuous)", "throughput_tok_s": n / secs}
-        )
-    except Exception as e:  # report, do not crash the bench
-        rows.append({"run": f"transformers generate_batch failed: {e}", "throughput_tok_s": 0.0})
-    for r in rows:
-        r["minirt_pipeline_x"] = (
-            pipeline_tok_s / r["throughput_tok_s"] if r["throughput_tok_s"] else 0.0
-        )
-    return rows
+    if a.rounds > 1:
+        out += [
+            "\n### Each round (pipeline, then the executor alone, then vLLM)\n",
+            report.table(per, ROUND_COLS),
+        ]
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -262,23 +240,7 @@ def main(argv: list[str]) -> int:
     ]
     data: dict[str, Any] = {"args": vars(a), "runs": runs, "sweep": sweep}
     if a.compare:
-        first = next(iter(runs.values()))
-        cmp_rows = compare_rows(
-            a, make_jobs(a, vocab, context=context), first["summary"]["throughput_tok_s"]
-        )
-        cmp_rows.insert(
-            0,
-            {
-                "run": f"minirt pipeline ({first['name']})",
-                "throughput_tok_s": first["summary"]["throughput_tok_s"],
-                "minirt_pipeline_x": 1.0,
-            },
-        )
-        data["compare"] = cmp_rows
-        sections += [
-            "\n## Same workload, same run (output tokens/s)\n",
-            report.table(cmp_rows, ["run", "throughput_tok_s", "minirt_pipeline_x"]),
-        ]
+        sections += _compare(a, runs, variants[0][1], make_jobs(a, vocab, context=context), data)
     out = Path(a.out or f"bench-out/{a.workload}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     pngs = report.plots(out, runs, sweep or None)
