@@ -114,40 +114,57 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> bool:
 ROWS_MAX = 64
 
 
+_ROWS_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_rows(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (``[N, K]`` float32) copied into :func:`rows_linear`'s layout (blocks of 12
-    rows, k-major inside a block: ``gpu/decode_gemm.c``), or None where the kernel does not run
-    (no library, no AVX-512, CUDA, another dtype)."""
-    lib = _lib(weight)
-    if lib is None or weight.dim() != 2 or not lib.rows_gemm_vector():
+    """``weight`` (``[N, K]``, float32 or bfloat16) copied into :func:`rows_linear`'s layout
+    (blocks of 12 rows, k-major inside a block; in bfloat16 each 32-bit word a pair along k:
+    ``gpu/decode_gemm.c``), or None where the kernel does not run (no library, no AVX-512 or, in
+    bfloat16, no avx512_bf16 or an odd K; CUDA; another dtype)."""
+    lib = _lib(weight, _ROWS_DTYPES)
+    if lib is None or weight.dim() != 2:
         return None
     n, k = weight.shape
     w = weight.contiguous()
+    if weight.dtype == torch.bfloat16:
+        if not lib.rows_gemm_bf16_vector() or k % 2:
+            return None
+        out = torch.empty(lib.rows_packed_len_bf16(n, k), dtype=torch.int32)
+        lib.rows_pack_bf16(w.data_ptr(), n, k, out.data_ptr())
+        return out
+    if not lib.rows_gemm_vector():
+        return None
     out = torch.empty(lib.rows_packed_len(n, k), dtype=torch.float32)
     lib.rows_pack_f32(w.data_ptr(), n, k, out.data_ptr())
     return out
 
 
 @functools.lru_cache(maxsize=1024)
-def _scratch_len(lib, m: int, k: int) -> int:
-    """Floats of the kernel's scratch for ``m`` rows of ``k`` (asked once per shape)."""
-    return int(lib.rows_scratch_len(m, k))
+def _scratch_len(lib, m: int, k: int, bf16: bool) -> int:
+    """Words of the kernel's scratch for ``m`` rows of ``k`` (asked once per shape)."""
+    return int(lib.rows_scratch_len_bf16(m, k) if bf16 else lib.rows_scratch_len(m, k))
 
 
 def rows_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` for 2-D float32 ``x`` of 1..:data:`ROWS_MAX` rows (each row
-    contiguous) against :func:`pack_rows`'s copy of the ``[n, K]`` weight; equal up to float
-    rounding (one fused multiply-add chain over K in order per output)."""
-    lib = _lib(x)
+    """``F.linear(x, weight, bias)`` for 2-D ``x`` of 1..:data:`ROWS_MAX` rows (each row
+    contiguous) against :func:`pack_rows`'s copy of the ``[n, K]`` weight, in the weight's dtype;
+    equal up to float rounding (one fused multiply-add chain over K in order per output; in
+    bfloat16 a float32 chain over the pairs of K, rounded to bfloat16 once)."""
+    lib = _lib(x, _ROWS_DTYPES)
     m = x.shape[0]
     if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < m <= ROWS_MAX:
         return None
+    bf16 = packed.dtype == torch.int32
+    if bf16 != (x.dtype == torch.bfloat16) or (bf16 and (x.stride(0) % 2 or x.data_ptr() % 4)):
+        return None
     k = x.shape[1]
-    scratch = torch.empty(_scratch_len(lib, m, k), dtype=torch.float32)
-    out = torch.empty(m, n, dtype=torch.float32)
-    lib.rows_gemm_f32(
+    scratch = torch.empty(_scratch_len(lib, m, k, bf16), dtype=packed.dtype)
+    out = torch.empty(m, n, dtype=x.dtype)
+    gemm = lib.rows_gemm_bf16 if bf16 else lib.rows_gemm_f32
+    gemm(
         x.data_ptr(), x.stride(0), m, packed.data_ptr(),
         bias.data_ptr() if bias is not None else None, n, k, scratch.data_ptr(), out.data_ptr(),
     )  # fmt: skip

@@ -23,7 +23,10 @@ the arithmetic time); the library's streams the copy and prefetches ahead while 
 Measured on the 0.39B model's layer shapes with the 24 layers' weights cycled (so they come from
 DRAM, as in a decode step), 2 threads: 1.2-1.6x oneDNN's packed kernel at 1-32 rows, 1.0-1.2x at
 48-64. The copy costs the weights' size again (1.4 GB on that model, which runs prefill on the
-packed copy); ``MINIRT_ROWS_LINEAR=0`` does without it.
+packed copy); ``MINIRT_ROWS_LINEAR=0`` does without it. In bfloat16 (``--dtype bfloat16``'s MLP)
+the same layout holds pairs along k for avx512_bf16's pair dot product, where the CPU has it:
+the 0.39B model's 24 MLPs at 1/8/16/32 rows 30.5/38.7/40.1/62.3 ms through oneDNN -> 23.3/30.7/
+32.2/52.4 ms (``MINIRT_ROWS_BF16=0`` turns only this one off).
 
 The result differs from ``F.linear`` by float rounding only (a different summation order;
 ~1e-6 relative in float32), which the load-time self-check bounds. CUDA, other dtypes, a torch
@@ -75,9 +78,11 @@ def mkl_gemv_fast() -> bool:
         return False
 
 
-def rows_enabled() -> bool:
-    """Whether float32 linears build the decode-row copy (see the module doc)."""
-    return not switched_off("MINIRT_ROWS_LINEAR")
+def rows_enabled(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether linears in ``dtype`` build the decode-row copy (see the module doc)."""
+    if dtype == torch.bfloat16 and switched_off("MINIRT_ROWS_BF16"):
+        return False
+    return dtype in _SUPPORTED and not switched_off("MINIRT_ROWS_LINEAR")
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -97,7 +102,7 @@ class Linear:
     :func:`packing_enabled`, after which the unpacked weight is not kept (``weight`` is None)
     unless ``keep_plain`` where :func:`mkl_gemv_fast`: then calls of at most :data:`GEMV_ROWS`
     rows in float32 use it through ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights
-    also get the decode-row copy (``rows``) where the kernel library runs and
+    and bfloat16 ones also get the decode-row copy (``rows``) where the kernel library runs and
     :func:`rows_enabled`: calls of at most :data:`gpu.cpu_ops.ROWS_MAX` rows that the plain
     weight does not take use it."""
 
@@ -114,7 +119,7 @@ class Linear:
         if pack:
             self.packed = _pack_checked(weight, bias)
             if self.packed is not None:
-                if weight.dtype == torch.float32 and rows_enabled():
+                if rows_enabled(weight.dtype):
                     self.rows = cpu_ops.pack_rows(weight)
                 if keep_plain and weight.dtype == torch.float32 and mkl_gemv_fast():
                     self.gemv_rows = GEMV_ROWS

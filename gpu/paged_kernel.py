@@ -124,8 +124,13 @@ def _build() -> ctypes.CDLL | None:
     lib.rows_pack_f32.restype = lib.rows_gemm_f32.restype = None
     lib.rows_pack_f32.argtypes = [p, i64, i64, p]
     lib.rows_gemm_f32.argtypes = [p, i64, i64, p, p, i64, i64, p, p]
-    lib.rows_gemm_vector.restype = ctypes.c_int
-    lib.rows_gemm_vector.argtypes = []
+    lib.rows_gemm_vector.restype = lib.rows_gemm_bf16_vector.restype = ctypes.c_int
+    lib.rows_gemm_vector.argtypes = lib.rows_gemm_bf16_vector.argtypes = []
+    lib.rows_packed_len_bf16.restype = lib.rows_scratch_len_bf16.restype = i64
+    lib.rows_packed_len_bf16.argtypes = lib.rows_scratch_len_bf16.argtypes = [i64, i64]
+    lib.rows_pack_bf16.restype = lib.rows_gemm_bf16.restype = None
+    lib.rows_pack_bf16.argtypes = [p, i64, i64, p]
+    lib.rows_gemm_bf16.argtypes = [p, i64, i64, p, p, i64, i64, p, p]
     return lib
 
 

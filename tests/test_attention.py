@@ -158,7 +158,35 @@ def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one(mon
         elif rows <= cpu_ops.ROWS_MAX:
             assert torch.equal(got, cpu_ops.rows_linear(x, lin.rows, b, 100))
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert Linear(w.bfloat16(), None, pack=True).rows is None  # float32 only
+
+
+@pytest.mark.skipif(
+    not packing_enabled(torch.device("cpu"), torch.bfloat16), reason="no oneDNN in this torch"
+)
+def test_bf16_decode_rows_are_within_one_rounding_of_the_exact_product(monkeypatch):
+    """``--dtype bfloat16``'s MLP at decode row counts runs the avx512_bf16 row kernel: each
+    output is the float32 sum of the bf16 products rounded to bf16 once, so it lies within one
+    bf16 step of the exact product, at every row count it takes (1-12 in place, 13-64 through
+    the transposed scratch); prefill tiles stay on oneDNN."""
+    from gpu import cpu_ops
+
+    torch.manual_seed(0)
+    w, b = (torch.randn(100, 64) * 0.1).bfloat16(), (torch.randn(100) * 0.1).bfloat16()
+    lin = Linear(w, b, pack=True)
+    if lin.rows is None:
+        pytest.skip("no avx512_bf16 decode-row kernel on this machine")
+    for rows in (1, 5, 12, 13, 32, 64, 65):
+        x = torch.randn(rows, 64).bfloat16()
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 100)
+        if rows <= cpu_ops.ROWS_MAX:
+            assert torch.equal(got, cpu_ops.rows_linear(x, lin.rows, b, 100))
+        exact = F.linear(x.double(), w.double(), b.double())
+        step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
+        assert bool(((got.double() - exact).abs() <= step + 1e-6).all()), rows
+    assert Linear(torch.randn(10, 33).bfloat16(), None, pack=True).rows is None  # odd K
+    monkeypatch.setenv("MINIRT_ROWS_BF16", "0")
+    assert Linear(w, b, pack=True).rows is None
 
 
 @pytest.mark.skipif(
