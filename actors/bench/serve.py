@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from actors.bench.compare import ROUND_COLS
 from actors.bench.driver import drive
 from actors.bench.workloads import WORKLOADS, Job, poisson
 from actors.eventlog import read_events
@@ -169,7 +170,7 @@ def _compare(
     data: dict[str, Any],
 ) -> list[str]:
     """The ``--compare`` rows (actors.bench.compare), over ``--rounds`` interleaved rounds."""
-    from actors.bench.compare import ROUND_COLS, compare
+    from actors.bench.compare import compare
 
     first = next(iter(runs.values()))
 
@@ -191,14 +192,24 @@ def _compare(
     rows[0]["run"] = f"minirt pipeline ({first['name']})"
     data["compare"], data["compare_rounds"] = rows, per
     title = "same run" if a.rounds <= 1 else f"medians of {a.rounds} interleaved rounds"
+    return compare_sections(rows, per, title)
+
+
+def compare_sections(rows: list[dict], per: list[dict], title: str) -> list[str]:
+    """The Markdown of the ``--compare`` rows and rounds (ratios to two decimals)."""
+
+    def two(r: dict) -> dict:
+        return {k: f"{v:.2f}" if k.endswith(("_x", "_over_executor", "_over_vllm")) else v
+                for k, v in r.items()}  # fmt: skip
+
     out = [
         f"\n## Same workload, {title} (output tokens/s)\n",
-        report.table(rows, ["run", "throughput_tok_s", "minirt_pipeline_x"]),
+        report.table([two(r) for r in rows], ["run", "throughput_tok_s", "minirt_pipeline_x"]),
     ]
-    if a.rounds > 1:
+    if len(per) > 1:
         out += [
             "\n### Each round (pipeline, then the executor alone, then vLLM)\n",
-            report.table(per, ROUND_COLS),
+            report.table([two(r) for r in per], ROUND_COLS),
         ]
     return out
 
