@@ -46,8 +46,9 @@ void rows_pack_f32(const float *w, int64_t n, int64_t k, float *out) {
 /* R rows of W (R = 24: two blocks; 12: one) against 16 * C columns of xT ([K][16 * C], x
  * transposed and zero-padded); acc stored to tmp[R][16 * C]. */
 #define BODY(R, C)                                                                          \
-    static void body_##R##_##C(const float *restrict xT, const float *restrict w, int64_t K, \
+    static void body_##R##_##C(const void *xT_, const void *w_, int64_t K,                  \
                                float *restrict tmp) {                                      \
+        const float *restrict xT = xT_, *restrict w = w_;                                   \
         __m512 acc[R][C];                                                                   \
         _Pragma("GCC unroll 24") for (int r = 0; r < R; r++)                               \
             _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps(); \
@@ -77,8 +78,9 @@ BODY(12, 2)
  * the weights in DRAM (2 threads: the bench model's LM head at 1 row 1.73 vs 2.27 ms); the
  * single chain's FMA latency allows ~12 bytes a cycle, more than DRAM gives a thread. */
 #define GEMV(M)                                                                             \
-    static void gemv_##M(const float *restrict x, int64_t xs, const float *restrict w,      \
-                         int64_t K, float *restrict tmp) {                                  \
+    static void gemv_##M(const void *x_, int64_t xs, const void *w_, int64_t K,             \
+                         float *restrict tmp) {                                             \
+        const float *restrict x = x_, *restrict w = w_;                                     \
         __m512 acc[M];                                                                      \
         _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();  \
         for (int64_t k = 0; k < K; k++) {                                                   \
@@ -91,29 +93,44 @@ BODY(12, 2)
             _mm512_store_ps(tmp + m * 16, acc[m]);                                          \
     }
 GEMV(1) GEMV(2) GEMV(3) GEMV(4)
-typedef void (*gemv_fn)(const float *, int64_t, const float *, int64_t, float *);
-static const gemv_fn GEMV_M[5] = {0, gemv_1, gemv_2, gemv_3, gemv_4};
+/* The kernels of one dtype, for rows_drive: 1..gemv_max rows in place, more through xT. */
+typedef void (*rows_gemv_fn)(const void *, int64_t, const void *, int64_t, float *);
+typedef void (*rows_body_fn)(const void *, const void *, int64_t, float *);
+/* tmp (float32 sums) + bias -> out[m][n0 + r], in the dtype's own element type */
+typedef void (*rows_put_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *, const float *,
+                       int64_t, int64_t);
+typedef struct {
+    const rows_gemv_fn *gemv;
+    int64_t gemv_max;
+    rows_body_fn b24_1, b12_1, b12_2;
+    rows_put_fn put;
+    int64_t out_bytes; /* of one output element */
+} rows_kernels;
+typedef uint32_t word __attribute__((may_alias)); /* a float, or a pair of bf16 along k */
 
-static inline void put(float *out, int64_t N, int64_t M, int64_t n0, int64_t rows,
-                       const float *bias, const float *tmp, int64_t m_step, int64_t r_step) {
+static const rows_gemv_fn GEMV_M[5] = {0, gemv_1, gemv_2, gemv_3, gemv_4};
+
+static void put_f32(void *out_, int64_t N, int64_t M, int64_t n0, int64_t rows, const void *bias_,
+                    const float *tmp, int64_t m_step, int64_t r_step) {
+    float *out = out_;
+    const float *bias = bias_;
     for (int64_t m = 0; m < M; m++)
         for (int64_t r = 0; r < rows && n0 + r < N; r++)
             out[m * N + n0 + r] = tmp[m * m_step + r * r_step] + (bias ? bias[n0 + r] : 0.0f);
 }
 
-int rows_gemm_vector(void) { return 1; }
-
-/* x: [M, K] rows xs floats apart; w: rows_pack_f32's copy of [N, K]; out: [M, N] contiguous;
- * xT: 64-byte aligned scratch of rows_scratch_len(M, K) floats. */
-void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const float *bias,
-                   int64_t N, int64_t K, float *xT, float *out) {
+/* Both dtypes' linear on 32-bit words: x [M, K words] rows xs words apart, w the packed copy
+ * (blocks of RB rows, K words each), out [M, N] elements of k->out_bytes, xT the scratch. */
+static void rows_drive(const rows_kernels *kk, const word *x, int64_t xs, int64_t M,
+                       const word *w, const void *bias, int64_t N, int64_t K, word *xT,
+                       char *out) {
     int64_t nb = (N + RB - 1) / RB;
-    if (M <= 4) {
+    if (M <= kk->gemv_max) {
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < nb; b++) {
-            float tmp[4 * 16] __attribute__((aligned(64)));
-            GEMV_M[M](x, xs, w + b * K * RB, K, tmp);
-            put(out, N, M, b * RB, RB, bias, tmp, 16, 1);
+            float tmp[16 * 16] __attribute__((aligned(64)));
+            kk->gemv[M](x, xs, w + b * K * RB, K, tmp);
+            kk->put(out, N, M, b * RB, RB, bias, tmp, 16, 1);
         }
         return;
     }
@@ -125,7 +142,7 @@ void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const 
             for (int64_t g = 0; g < G; g++)
                 for (int64_t j = 0; j < W; j++) {
                     int64_t m = g * W + j;
-                    xT[(g * K + k) * W + j] = m < M ? x[m * xs + k] : 0.0f;
+                    xT[(g * K + k) * W + j] = m < M ? x[m * xs + k] : 0u;
                 }
         float tmp[24 * 16] __attribute__((aligned(64)));
         if (C == 1) {
@@ -134,11 +151,11 @@ void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const 
             for (int64_t p = 0; p < (nb + 1) / 2; p++) {
                 int64_t b = 2 * p;
                 if (b + 1 < nb) {
-                    body_24_1(xT, w + b * K * RB, K, tmp);
-                    put(out, N, M, b * RB, 2 * RB, bias, tmp, 1, 16);
+                    kk->b24_1(xT, w + b * K * RB, K, tmp);
+                    kk->put(out, N, M, b * RB, 2 * RB, bias, tmp, 1, 16);
                 } else {
-                    body_12_1(xT, w + b * K * RB, K, tmp);
-                    put(out, N, M, b * RB, RB, bias, tmp, 1, 16);
+                    kk->b12_1(xT, w + b * K * RB, K, tmp);
+                    kk->put(out, N, M, b * RB, RB, bias, tmp, 1, 16);
                 }
             }
         } else {
@@ -147,11 +164,21 @@ void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const 
             for (int64_t b = 0; b < nb; b++)
                 for (int64_t g = 0; g < G; g++) {
                     int64_t mg = M - g * 32 < 32 ? M - g * 32 : 32;
-                    body_12_2(xT + g * K * 32, w + b * K * RB, K, tmp);
-                    put(out + g * 32 * N, N, mg, b * RB, RB, bias, tmp, 1, 32);
+                    kk->b12_2(xT + g * K * 32, w + b * K * RB, K, tmp);
+                    kk->put(out + g * 32 * N * kk->out_bytes, N, mg, b * RB, RB, bias, tmp, 1, 32);
                 }
         }
     }
+}
+
+int rows_gemm_vector(void) { return 1; }
+
+/* x: [M, K] rows xs floats apart; w: rows_pack_f32's copy of [N, K]; out: [M, N] contiguous;
+ * xT: 64-byte aligned scratch of rows_scratch_len(M, K) floats. */
+void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const float *bias,
+                   int64_t N, int64_t K, float *xT, float *out) {
+    static const rows_kernels f32 = {GEMV_M, 4, body_24_1, body_12_1, body_12_2, put_f32, 4};
+    rows_drive(&f32, (const word *)x, xs, M, (const word *)w, bias, N, K, (word *)xT, (char *)out);
 }
 #if defined(__AVX512BF16__)
 /* bfloat16 (--dtype bfloat16's MLP): the same layout and bodies with each 32-bit word holding a
@@ -179,8 +206,9 @@ void rows_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint32_t *out) {
 }
 
 #define BODY_BF(R, C)                                                                       \
-    static void bodyb_##R##_##C(const uint32_t *restrict xT, const uint32_t *restrict w,    \
-                                int64_t K2, float *restrict tmp) {                          \
+    static void bodyb_##R##_##C(const void *xT_, const void *w_, int64_t K2,                \
+                                float *restrict tmp) {                                      \
+        const word *restrict xT = xT_, *restrict w = w_;                                    \
         __m512 acc[R][C];                                                                   \
         _Pragma("GCC unroll 24") for (int r = 0; r < R; r++)                               \
             _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps(); \
@@ -206,8 +234,9 @@ BODY_BF(12, 1)
 BODY_BF(12, 2)
 
 #define GEMV_BF(M)                                                                          \
-    static void gemvb_##M(const uint32_t *restrict x, int64_t xs, const uint32_t *restrict w, \
-                          int64_t K2, float *restrict tmp) {                                \
+    static void gemvb_##M(const void *x_, int64_t xs, const void *w_, int64_t K2,           \
+                          float *restrict tmp) {                                            \
+        const word *restrict x = x_, *restrict w = w_;                                      \
         __m512 acc[M];                                                                      \
         _Pragma("GCC unroll 12") for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(); \
         for (int64_t k = 0; k < K2; k++) {                                                  \
@@ -222,11 +251,10 @@ BODY_BF(12, 2)
     }
 GEMV_BF(1) GEMV_BF(2) GEMV_BF(3) GEMV_BF(4) GEMV_BF(5) GEMV_BF(6)
 GEMV_BF(7) GEMV_BF(8) GEMV_BF(9) GEMV_BF(10) GEMV_BF(11) GEMV_BF(12)
-typedef void (*gemvb_fn)(const uint32_t *, int64_t, const uint32_t *, int64_t, float *);
 /* up to 12 rows in bf16 (12 of the 16 lanes busy; body_24_1's 16 columns would idle half of
  * theirs at 8 rows: 36.1 vs 32.1 ms for the 0.39B model's 24 MLPs at 8 rows, oneDNN's 32.1) */
 #define GEMVB_MAX 12
-static const gemvb_fn GEMVB_M[GEMVB_MAX + 1] = {
+static const rows_gemv_fn GEMVB_M[GEMVB_MAX + 1] = {
     0, gemvb_1, gemvb_2, gemvb_3, gemvb_4, gemvb_5, gemvb_6,
     gemvb_7, gemvb_8, gemvb_9, gemvb_10, gemvb_11, gemvb_12};
 
@@ -244,8 +272,10 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-static inline void put_bf(uint16_t *out, int64_t N, int64_t M, int64_t n0, int64_t rows,
-                          const uint16_t *bias, const float *tmp, int64_t m_step, int64_t r_step) {
+static void put_bf(void *out_, int64_t N, int64_t M, int64_t n0, int64_t rows, const void *bias_,
+                   const float *tmp, int64_t m_step, int64_t r_step) {
+    uint16_t *out = out_;
+    const uint16_t *bias = bias_;
     for (int64_t m = 0; m < M; m++)
         for (int64_t r = 0; r < rows && n0 + r < N; r++)
             out[m * N + n0 + r] =
@@ -258,50 +288,9 @@ int rows_gemm_bf16_vector(void) { return 1; }
  * [M, N] bf16 contiguous; xT: 64-byte aligned scratch of rows_scratch_len_bf16(M, K) words. */
 void rows_gemm_bf16(const uint16_t *x, int64_t xs, int64_t M, const uint32_t *w,
                     const uint16_t *bias, int64_t N, int64_t K, uint32_t *xT, uint16_t *out) {
-    int64_t nb = (N + RB - 1) / RB, K2 = K / 2, xs2 = xs / 2;
-    const uint32_t *xw = (const uint32_t *)x;
-    if (M <= GEMVB_MAX) {
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < nb; b++) {
-            float tmp[GEMVB_MAX * 16] __attribute__((aligned(64)));
-            GEMVB_M[M](xw, xs2, w + b * K2 * RB, K2, tmp);
-            put_bf(out, N, M, b * RB, RB, bias, tmp, 16, 1);
-        }
-        return;
-    }
-    int64_t C = M <= 16 ? 1 : 2, W = 16 * C, G = (M + W - 1) / W;
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t k = 0; k < K2; k++)
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t j = 0; j < W; j++) {
-                    int64_t m = g * W + j;
-                    xT[(g * K2 + k) * W + j] = m < M ? xw[m * xs2 + k] : 0u;
-                }
-        float tmp[24 * 16] __attribute__((aligned(64)));
-        if (C == 1) {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < (nb + 1) / 2; p++) {
-                int64_t b = 2 * p;
-                if (b + 1 < nb) {
-                    bodyb_24_1(xT, w + b * K2 * RB, K2, tmp);
-                    put_bf(out, N, M, b * RB, 2 * RB, bias, tmp, 1, 16);
-                } else {
-                    bodyb_12_1(xT, w + b * K2 * RB, K2, tmp);
-                    put_bf(out, N, M, b * RB, RB, bias, tmp, 1, 16);
-                }
-            }
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t g = 0; g < G; g++) {
-                    int64_t mg = M - g * 32 < 32 ? M - g * 32 : 32;
-                    bodyb_12_2(xT + g * K2 * 32, w + b * K2 * RB, K2, tmp);
-                    put_bf(out + g * 32 * N, N, mg, b * RB, RB, bias, tmp, 1, 32);
-                }
-        }
-    }
+    static const rows_kernels bf16 = {GEMVB_M,    GEMVB_MAX, bodyb_24_1, bodyb_12_1,
+                                      bodyb_12_2, put_bf,    2};
+    rows_drive(&bf16, (const word *)x, xs / 2, M, w, bias, N, K / 2, xT, (char *)out);
 }
 #endif
 #else

@@ -172,9 +172,7 @@ def reap_group(pgid: int, grace_s: float = 20.0) -> None:
     while True:
         try:
             os.killpg(pgid, 0)  # anyone left in the group?
-        except ProcessLookupError:
-            return
-        except PermissionError:
+        except (ProcessLookupError, PermissionError):  # all gone (or no longer ours)
             return
         if time.monotonic() >= deadline:
             with contextlib.suppress(ProcessLookupError):
