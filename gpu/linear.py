@@ -26,7 +26,11 @@ DRAM, as in a decode step), 2 threads: 1.2-1.6x oneDNN's packed kernel at 1-32 r
 packed copy); ``MINIRT_ROWS_LINEAR=0`` does without it. In bfloat16 (``--dtype bfloat16``'s MLP)
 the same layout holds pairs along k for avx512_bf16's pair dot product, where the CPU has it:
 the 0.39B model's 24 MLPs at 1/8/16/32 rows 30.5/38.7/40.1/62.3 ms through oneDNN -> 23.3/30.7/
-32.2/52.4 ms (``MINIRT_ROWS_BF16=0`` turns only this one off).
+32.2/52.4 ms (``MINIRT_ROWS_BF16=0`` turns only this one off). Where the CPU has AMX
+(:func:`amx_bf16`) oneDNN's bf16 kernel runs on its tiles and the row kernel wins only at the
+fewest rows: on a 2-vCPU Xeon with AMX, q05's 24 MLPs (weights cycled) at 1/2/4/6/8/16/64 rows
+58.2/57.6/55.4/55.1/61.1/65.1/92.3 ms through oneDNN, 43.7/42.6/49.6/65.3/84.7/112.3/415 ms
+through the row kernel, so bf16 linears take it there up to :data:`AMX_BF16_ROWS` rows only.
 
 The result differs from ``F.linear`` by float rounding only (a different summation order;
 ~1e-6 relative in float32), which the load-time self-check bounds. CUDA, other dtypes, a torch
@@ -55,6 +59,8 @@ TILE_ROWS = 256
 # and more. Not on other CPUs (:func:`mkl_gemv_fast`).
 GEMV_ROWS = 2
 _SUPPORTED = (torch.float32, torch.bfloat16)
+# bf16 rows the row kernel takes where oneDNN has AMX tiles (see the module doc)
+AMX_BF16_ROWS = 4
 
 
 def bucket_rows(m: int) -> int:
@@ -76,6 +82,23 @@ def mkl_gemv_fast() -> bool:
             return any(ln.startswith("vendor_id") and "GenuineIntel" in ln for ln in f)
     except OSError:
         return False
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether the CPU has AMX's bf16 tiles, which oneDNN's bf16 kernels use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and " amx_bf16" in ln for ln in f)
+    except OSError:
+        return False
+
+
+def rows_max(dtype: torch.dtype) -> int:
+    """The most rows a linear in ``dtype`` sends through its decode-row copy."""
+    if dtype == torch.bfloat16 and amx_bf16():
+        return AMX_BF16_ROWS
+    return cpu_ops.ROWS_MAX
 
 
 def rows_enabled(dtype: torch.dtype = torch.float32) -> bool:
@@ -103,7 +126,7 @@ class Linear:
     unless ``keep_plain`` where :func:`mkl_gemv_fast`: then calls of at most :data:`GEMV_ROWS`
     rows in float32 use it through ``F.linear`` (see :data:`GEMV_ROWS`). Packed float32 weights
     and bfloat16 ones also get the decode-row copy (``rows``) where the kernel library runs and
-    :func:`rows_enabled`: calls of at most :data:`gpu.cpu_ops.ROWS_MAX` rows that the plain
+    :func:`rows_enabled`: calls of at most ``rows_max`` rows (:func:`rows_max`) that the plain
     weight does not take use it."""
 
     def __init__(
@@ -116,6 +139,7 @@ class Linear:
         self.weight: torch.Tensor | None = weight
         self.gemv_rows = 0
         self.rows: torch.Tensor | None = None
+        self.rows_max = rows_max(weight.dtype)
         if pack:
             self.packed = _pack_checked(weight, bias)
             if self.packed is not None:
@@ -128,7 +152,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.rows is not None and self.gemv_rows < m <= cpu_ops.ROWS_MAX:
+        if self.rows is not None and self.gemv_rows < m <= self.rows_max:
             out = cpu_ops.rows_linear(x, self.rows, self.bias, self.out_features)
             if out is not None:
                 return out

@@ -170,6 +170,7 @@ def test_bf16_decode_rows_are_within_one_rounding_of_the_exact_product(monkeypat
     the transposed scratch); prefill tiles stay on oneDNN."""
     from gpu import cpu_ops
 
+    monkeypatch.setattr(linear, "amx_bf16", lambda: False)  # the kernel, on AMX machines too
     torch.manual_seed(0)
     w, b = (torch.randn(100, 64) * 0.1).bfloat16(), (torch.randn(100) * 0.1).bfloat16()
     lin = Linear(w, b, pack=True)
@@ -185,6 +186,14 @@ def test_bf16_decode_rows_are_within_one_rounding_of_the_exact_product(monkeypat
         step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
         assert bool(((got.double() - exact).abs() <= step + 1e-6).all()), rows
     assert Linear(torch.randn(10, 33).bfloat16(), None, pack=True).rows is None  # odd K
+    monkeypatch.setattr(linear, "amx_bf16", lambda: True)  # oneDNN's AMX tiles win past 4 rows
+    amx, taken = Linear(w, b, pack=True), []
+    kernel = cpu_ops.rows_linear
+    monkeypatch.setattr(cpu_ops, "rows_linear", lambda x, *a: taken.append(len(x)) or kernel(x, *a))
+    for rows in (1, linear.AMX_BF16_ROWS, linear.AMX_BF16_ROWS + 1, 64):
+        amx(torch.randn(rows, 64).bfloat16())
+    assert taken == [1, linear.AMX_BF16_ROWS]
+    monkeypatch.setattr(cpu_ops, "rows_linear", kernel)
     monkeypatch.setenv("MINIRT_ROWS_BF16", "0")
     assert Linear(w, b, pack=True).rows is None
 
