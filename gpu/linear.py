@@ -44,7 +44,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_ops, switched_off
+from gpu import cpu_field, cpu_ops, switched_off
 
 # The row count oneDNN is told to expect when packing; any row count works with the result.
 _PACK_HINT = 64
@@ -77,21 +77,13 @@ def mkl_gemv_fast() -> bool:
     slower than the decode-row kernel or oneDNN (2 threads, weights from DRAM: the bench model's
     LM head at 1 row 5.2 ms vs 1.3-1.7 ms, its MLP's gate/up 475 vs 213-232 us), which made a
     lone decode step 1.6x vLLM's there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(ln.startswith("vendor_id") and "GenuineIntel" in ln for ln in f)
-    except OSError:
-        return False
+    return cpu_field("vendor_id") == "GenuineIntel"
 
 
 @functools.cache
 def amx_bf16() -> bool:
     """Whether the CPU has AMX's bf16 tiles, which oneDNN's bf16 kernels use."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(ln.startswith("flags") and " amx_bf16" in ln for ln in f)
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_field("flags").split()
 
 
 def rows_max(dtype: torch.dtype) -> int:

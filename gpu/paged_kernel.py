@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from gpu import switched_off
+from gpu import cpu_field, switched_off
 
 # one library: the decode attention, the fused elementwise ops of gpu.cpu_ops and the
 # decode-sized linears of gpu.linear
@@ -66,14 +66,12 @@ def _torch_gomp() -> str | None:
 
 def _cpu_id() -> str:
     """The CPU's model name and feature flags (Linux), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        import platform
+    cpu = cpu_field("model name") + cpu_field("flags")
+    if cpu:
+        return cpu
+    import platform
 
-        return platform.processor() + platform.machine()
+    return platform.processor() + platform.machine()
 
 
 def _build() -> ctypes.CDLL | None:

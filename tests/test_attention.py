@@ -193,7 +193,6 @@ def test_bf16_decode_rows_are_within_one_rounding_of_the_exact_product(monkeypat
     for rows in (1, linear.AMX_BF16_ROWS, linear.AMX_BF16_ROWS + 1, 64):
         amx(torch.randn(rows, 64).bfloat16())
     assert taken == [1, linear.AMX_BF16_ROWS]
-    monkeypatch.setattr(cpu_ops, "rows_linear", kernel)
     monkeypatch.setenv("MINIRT_ROWS_BF16", "0")
     assert Linear(w, b, pack=True).rows is None
 
