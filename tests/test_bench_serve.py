@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from actors.bench import serve
 from actors.bench.serve import main
 
 
@@ -30,8 +31,14 @@ def test_bench_serve_writes_report_with_variants(tiny_model, tmp_path):
         assert s["requests"] == 64 and s["errors"] == 0 and s["output_tokens"] == 64 * 32
         assert run["summary_short"]["requests"] == 60 and run["summary_long"]["requests"] == 4
         assert run["kv_timeline"] and run["control"]["steps"] > 0
+        # the CPU each process spent in the run: the executor most, the others a small share
+        cpu = {k: float(v) for k, v in run["cpu_s"].items()}
+        assert set(cpu) == {*serve.CPU_COLS[1:]}
+        assert cpu["executor"] > max(cpu["tokenizer"], cpu["scheduler"], cpu["kv_manager"]) > 0
+        assert 0 < cpu["others_pct"] < 100
     md = (out / "README.md").read_text()
     assert "minirt bench serve" in md and "| fcfs (short) |" in md
+    assert "## CPU seconds during the run, per process" in md
     assert (out / "ttft_cdf.png").stat().st_size > 1000
     assert (out / "throughput_kv.png").stat().st_size > 1000
 

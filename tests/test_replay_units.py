@@ -244,3 +244,41 @@ def test_cli_bad_input_names_the_field(tmp_path, capsys, argv, message) -> None:
 def test_cli_refuses_a_directory_without_events(tmp_path, capsys) -> None:
     assert main([str(tmp_path)]) == 2
     assert "neither a run directory" in capsys.readouterr().err
+
+
+def test_a_replayed_run_says_more_when_the_next_submit_lands_with_its_grant() -> None:
+    """The replay's scheduler drains what is due at one instant before it sends, as the actor
+    drains its inbox: a submit that lands together with the first request's grant is queued
+    before that run leaves, so the run tells the executor that more follow (the real actor's
+    x_run.more), and the replayed first step is not stepped alone."""
+    from actors.replay.cores import SimKV, SimScheduler
+    from actors.replay.loop import Loop, SimLog
+    from actors.runtime.config import KVConfig, SchedulerConfig
+    from messages import executor as xm
+    from messages.common import SamplingParams
+    from messages.scheduler import Submit
+
+    loop, events, runs = Loop(hop_s=0.25), [], []
+    kv_cfg = KVConfig(block_size=4)
+    kv = SimKV(loop, kv_cfg, 64, SimLog(events, "kv_manager", loop, 0.0))
+    sched = SimScheduler(loop, SchedulerConfig(), kv_cfg, SimLog(events, "scheduler", loop, 0.0))
+    loop.handlers = {
+        "scheduler": sched.handle,
+        "kv_manager": kv.handle,
+        "executor": lambda m: runs.append(m) if isinstance(m, xm.Run) else None,
+        "tokenizer": lambda m: None,
+    }
+
+    def submit(rid: str) -> Submit:
+        return Submit(
+            request_id=rid,
+            prompt_ids=list(range(1, 7)),
+            params=SamplingParams(max_tokens=4),
+            arrival=0.0,
+        )
+
+    loop.send("scheduler", submit("a"), delay=0.0)
+    # a's grant reaches the scheduler at 0.5 (two hops); b lands at the same instant, after it
+    loop.at(0.375, lambda: loop.send("scheduler", submit("b"), delay=0.125))
+    loop.run()
+    assert [(r.request_id, r.more) for r in runs] == [("a", True), ("b", False)]

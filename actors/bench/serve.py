@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 import tempfile
@@ -136,14 +137,53 @@ def progress_printer(total: int) -> Any:
     return tick
 
 
+CPU_COLS = ["run", "executor", "tokenizer", "scheduler", "kv_manager", "client", "others_pct"]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def actor_pids(run_dir: Path) -> dict[str, int]:
+    """Each actor's pid, from its (last) ``actor.started`` event."""
+    return {
+        e["actor"]: int(e["pid"]) for e in read_events(run_dir) if e.get("event") == "actor.started"
+    }
+
+
+def cpu_now(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each actor and of this process (the client)."""
+    return {n: process_cpu_s(p) for n, p in pids.items()} | {"client": time.process_time()}
+
+
+def cpu_during(pids: dict[str, int], before: dict[str, float]) -> dict[str, Any]:
+    """CPU seconds each actor and the client took since ``before`` (``cpu_now``), and the
+    percentage of all of it that was not the executor's: what competes with its threads for the
+    cores (the pipeline's cost against the executor alone)."""
+    now = cpu_now(pids)
+    used: dict[str, Any] = {n: now[n] - before.get(n, 0.0) for n in now}
+    total = sum(used.values())
+    others = 100 * (1 - used.get("executor", 0.0) / total) if total else 0.0
+    return {n: f"{v:.2f}" for n, v in used.items()} | {"others_pct": f"{others:.1f}"}
+
+
 def run_once(
     a: argparse.Namespace, name: str, flags: str, jobs: list[Job], keep: bool = True
 ) -> dict[str, Any]:
     with runtime(a, flags) as (endpoint, run_dir):
         print(f"{name}: {len(jobs)} requests", file=sys.stderr)
+        pids = actor_pids(run_dir)
+        cpu0 = cpu_now(pids)
         t_start = time.time()
         records, wall = trio.run(drive, endpoint, jobs, a.concurrency, progress_printer(len(jobs)))
         t_end = time.time()
+        cpu = cpu_during(pids, cpu0)
         events = read_events(run_dir)
         if a.out and keep:  # keep the run's events: `minirt replay OUT --run NAME` replays it
             keep_run(events, t_start - 1.0, t_end + 1.0, Path(a.out) / "runs" / slug(name))
@@ -156,6 +196,7 @@ def run_once(
         "summary": {"run": name, **report.summarize(recs, wall)},
         "kv_timeline": report.kv_timeline(events, t_start, t_end),
         "control": report.control_share(events, t_start, t_end),
+        "cpu_s": cpu,
     }
     for tag in sorted({t for r in recs for t in r["tags"]}):
         run[f"summary_{tag}"] = {"run": f"{name} ({tag})", **report.summarize(recs, wall, tag)}
@@ -248,6 +289,8 @@ def main(argv: list[str]) -> int:
     sections += [
         "\n## Time outside the forward (executor step events)\n",
         report.table(ctl, ["run", "steps", "forward_s", "step_s", "control_s", "control_share"]),
+        "\n## CPU seconds during the run, per process (the client is this benchmark's driver)\n",
+        report.table([{"run": n, **r["cpu_s"]} for n, r in runs.items()], CPU_COLS),
     ]
     data: dict[str, Any] = {"args": vars(a), "runs": runs, "sweep": sweep}
     if a.compare:

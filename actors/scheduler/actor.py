@@ -10,6 +10,7 @@ import trio
 
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
+from actors.scheduler.base import FLUSH_EVERY
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.metrics import Metrics, serve_metrics
 from messages.common import ErrorCode, Reconcile
@@ -27,9 +28,6 @@ from messages.scheduler import (
     Submit,
 )
 from messages.tokenizer import RequestFailed
-
-# Messages handled between two sends while the inbox holds a backlog (drain_inbox).
-FLUSH_EVERY = 32
 
 
 class SchedulerActor(Actor):

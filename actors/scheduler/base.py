@@ -23,6 +23,11 @@ from messages import tokenizer as tm
 
 Outgoing = tuple[str, msgspec.Struct]
 
+# A backlog of inbound messages is handled in slices of this many, the outbox taken (sent) after
+# each slice rather than after each message (the actor's ``drain_inbox``, the replay's
+# ``SimScheduler``): what arrived together leaves together, and ``take_outbox`` sees it.
+FLUSH_EVERY = 32
+
 
 class AdmissionState(enum.Enum):
     """Where admission stands; exactly one at a time."""
