@@ -41,10 +41,11 @@ def rope(
     t, heads, d = x.shape
     out = torch.empty(t, heads, d, dtype=x.dtype)
     pos = positions.contiguous()
-    lib.rope_f32(
-        x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(),
-        t, heads, d, out.data_ptr(),
-    )  # fmt: skip
+    with paged_kernel.named("minirt::rope"):
+        lib.rope_f32(
+            x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(),
+            t, heads, d, out.data_ptr(),
+        )  # fmt: skip
     return out
 
 
@@ -56,7 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     t, n = x.shape
     out = torch.empty(t, n, dtype=x.dtype)
     w = weight.contiguous()
-    lib.rms_norm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, out.data_ptr())
+    with paged_kernel.named("minirt::rms_norm"):
+        lib.rms_norm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, out.data_ptr())
     return out
 
 
@@ -68,7 +70,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
         return None
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.long)
-    lib.argmax_f32(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
+    with paged_kernel.named("minirt::argmax"):
+        lib.argmax_f32(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
     return out
 
 
@@ -81,7 +84,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, f = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, f, dtype=gate_up.dtype)
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
-    fn(gate_up.data_ptr(), gate_up.stride(0), rows, f, out.data_ptr())
+    with paged_kernel.named("minirt::silu_mul"):
+        fn(gate_up.data_ptr(), gate_up.stride(0), rows, f, out.data_ptr())
     return out
 
 
@@ -99,10 +103,11 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> bool:
     es = x.element_size()
     s = slots.contiguous()
     heads, num_slots, d = cache.shape
-    bad = lib.kv_write(
-        x.data_ptr(), x.stride(0) * es, x.stride(1) * es, s.data_ptr(), x.shape[0],
-        heads, d * es, num_slots, cache.data_ptr(),
-    )  # fmt: skip
+    with paged_kernel.named("minirt::kv_write"):
+        bad = lib.kv_write(
+            x.data_ptr(), x.stride(0) * es, x.stride(1) * es, s.data_ptr(), x.shape[0],
+            heads, d * es, num_slots, cache.data_ptr(),
+        )  # fmt: skip
     if bad:
         raise IndexError(f"{bad} KV slot(s) outside the cache's {num_slots} slots")
     return True
@@ -164,8 +169,9 @@ def rows_linear(
     scratch = torch.empty(_scratch_len(lib, m, k, bf16), dtype=packed.dtype)
     out = torch.empty(m, n, dtype=x.dtype)
     gemm = lib.rows_gemm_bf16 if bf16 else lib.rows_gemm_f32
-    gemm(
-        x.data_ptr(), x.stride(0), m, packed.data_ptr(),
-        bias.data_ptr() if bias is not None else None, n, k, scratch.data_ptr(), out.data_ptr(),
-    )  # fmt: skip
+    with paged_kernel.named("minirt::rows_linear"):
+        gemm(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None, n, k, scratch.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
     return out

@@ -21,6 +21,7 @@ order). No C compiler, a failed build, CUDA tensors or ``MINIRT_PAGED_KERNEL=0``
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
@@ -132,6 +133,15 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
+def named(name: str) -> contextlib.AbstractContextManager[object]:
+    """A C call's name in torch.profiler's op table (its time is otherwise no op's: ctypes calls
+    are invisible to the profiler); a no-op context while no profiler runs, so hot paths pay
+    next to nothing for it."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def kernel() -> ctypes.CDLL | None:
     """The compiled library (built once per machine, loaded once per process), or None."""
     global _lib, _tried
@@ -180,7 +190,7 @@ def decode(
     q = q.contiguous()
     out = torch.empty_like(q)
     fn = lib.paged_decode_f32 if q.dtype == torch.float32 else lib.paged_decode_bf16
-    with torch.profiler.record_function("minirt::paged_decode"):  # named in torch.profiler
+    with named("minirt::paged_decode"):
         fn(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             n, heads, kvh, d, block_size, num_slots, tables.shape[1], scale, out.data_ptr(),

@@ -71,3 +71,6 @@ def test_compare_rounds_interleave_the_systems_and_report_medians(
     assert "vLLM skipped: not in this test" in rows
     md = (out / "README.md").read_text()
     assert "medians of 2 interleaved rounds" in md and "### Each round" in md
+    # the rounds' table ends with each column's median, the ratios' medians the paired ones
+    ratio = sorted(r["pipeline_over_executor"] for r in per)
+    assert f"| median | {pipe:,.1f} |" in md and f"| {sum(ratio) / 2:.2f} |" in md

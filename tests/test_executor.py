@@ -333,6 +333,22 @@ def test_bench_quick_runs(tiny_model, tmp_path):
     assert res["ours_tok_s"] > 0 and res["requests"] == 8 and 0 < res["compute_limit_pct"] < 100
 
 
+def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
+    """``--profile``'s op table says where a step's time goes, the kernel library's C passes
+    included: called through ctypes they are no torch op, and would be missing from it."""
+    from actors.bench.executor import main
+    from gpu import paged_kernel
+
+    if paged_kernel.kernel() is None:
+        pytest.skip("the kernel library does not build here (no C compiler)")
+    prof = tmp_path / "profile.txt"
+    argv = ["--model", str(tiny_model), "--quick", "--skip-hf", "--skip-cb", "--profile", str(prof)]
+    assert main(argv) == 0
+    table = prof.read_text()
+    for name in ("paged_decode", "rows_linear", "rms_norm", "silu_mul", "rope", "kv_write"):
+        assert f"minirt::{name}" in table, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_bench_quick_runs_cuda(tmp_path):
     from actors.bench.executor import main

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -248,9 +249,14 @@ def compare_sections(rows: list[dict], per: list[dict], title: str) -> list[str]
         report.table([two(r) for r in rows], ["run", "throughput_tok_s", "minirt_pipeline_x"]),
     ]
     if len(per) > 1:
+        # each column's median: for the ratios, the median of the rounds' own (paired) ratios,
+        # which a slow spell in one system's round moves less than a ratio of the medians above
+        med = {"round": "median"} | {
+            c: statistics.median(r[c] for r in per) for c in ROUND_COLS[1:]
+        }
         out += [
             "\n### Each round (pipeline, then the executor alone, then vLLM)\n",
-            report.table([two(r) for r in per], ROUND_COLS),
+            report.table([two(r) for r in [*per, med]], ROUND_COLS),
         ]
     return out
 
