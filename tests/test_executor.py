@@ -333,6 +333,22 @@ def test_bench_quick_runs(tiny_model, tmp_path):
     assert res["ours_tok_s"] > 0 and res["requests"] == 8 and 0 < res["compute_limit_pct"] < 100
 
 
+def test_bench_against_another_dtype_reports_paired_rounds(tiny_model, tmp_path):
+    """``--against float32 --rounds 3``: bf16 and fp32 executors alternate in one process; each
+    round's ratio is its own pair's, and the report's figure is their median."""
+    from actors.bench.executor import main
+
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_model), "--quick", "--skip-hf", "--skip-cb", "--json", str(out)]
+    assert main([*argv, "--dtype", "bfloat16", "--against", "float32", "--rounds", "3"]) == 0
+    res = json.loads(out.read_text())
+    vs = res["against"]
+    assert vs["dtype"] == "float32" and len(vs["rounds"]) == 3
+    for r in vs["rounds"]:
+        assert r["ratio"] == pytest.approx(r["tok_s"] / r["against_tok_s"])
+    assert vs["median_ratio"] == sorted(r["ratio"] for r in vs["rounds"])[1]
+
+
 def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
     """``--profile``'s op table says where a step's time goes, the kernel library's C passes
     included: called through ctypes they are no torch op, and would be missing from it."""

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -48,6 +49,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "--skip-vllm", action="store_true", help="skip vLLM's CPU backend (--quick does)"
     )
     p.add_argument("--vllm-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--against",
+        default=None,
+        help="also run the prompts through a second executor in this dtype, --rounds times "
+        "alternating with ours in this process, and report the median of the paired ratios",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="with --against: paired rounds")
     p.add_argument("--profile", type=Path, default=None, help="write our run's op table here")
     p.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
@@ -188,6 +196,20 @@ def run_single(ex, prompt: list[int], new_tokens: int) -> dict:
     }
 
 
+def paired_rounds(ex, other, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
+    """``--against``: ``rounds`` rounds of the prompts through ``ex`` then ``other`` (both
+    warmed), each round's tok/s and ratio, and the median ratio. One run on these shared machines
+    moves 10-30% minutes apart; a ratio of runs seconds apart, its median over rounds, is what
+    says how the two compare."""
+    per = []
+    for _ in range(max(1, rounds)):
+        ours, _, _ = run_ours(ex, prompts, new_tokens)
+        theirs, outs, _ = run_ours(other, prompts, new_tokens)
+        n = sum(len(o) for o in outs)
+        per.append({"tok_s": n / ours, "against_tok_s": n / theirs, "ratio": theirs / ours})
+    return {"rounds": per, "median_ratio": statistics.median(r["ratio"] for r in per)}
+
+
 def main(argv: list[str]) -> int:
     a = _args(list(argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -256,6 +278,31 @@ def main(argv: list[str]) -> int:
         f"one alone:  {res['single_tpot_ms']:.2f} ms per output token, "
         f"{res['single_outside_forward_ms_per_step']:.2f} ms per step outside the forward"
     )
+    if a.against:
+        other = Executor(
+            model_dir,
+            dtype=a.against,
+            device=a.device,
+            num_blocks=blocks,
+            chunk_cap=a.chunk_cap,
+            step_budget=a.step_budget,
+            max_batch_size=a.max_batch_size,
+            threads=a.threads,
+        )
+        run_ours(other, workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
+        res["against"] = {
+            "dtype": a.against,
+            **paired_rounds(ex, other, prompts, a.new_tokens, a.rounds),
+        }
+        del other
+        for k, r in enumerate(res["against"]["rounds"], 1):
+            print(
+                f"vs {a.against}: round {k}: {r['tok_s']:.1f} vs {r['against_tok_s']:.1f} tok/s "
+                f"= {r['ratio']:.2f}x"
+            )
+        print(
+            f"vs {a.against}: median of {a.rounds} paired rounds {res['against']['median_ratio']:.2f}x"
+        )
     # best of before and after our run: a shared machine makes any single reading low
     rate = max(rate_before, compute.gemm_rate(ex))
     res["gemm_path"] = compute.gemm_path(ex)
