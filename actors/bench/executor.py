@@ -228,17 +228,22 @@ def main(argv: list[str]) -> int:
     spec = load_spec(model_dir)
     prompts = workload(a.requests, a.min_prompt, a.max_prompt, spec.vocab_size, a.seed)
     blocks = sum(-(-(len(p) + a.new_tokens) // 16) for p in prompts) + 64
-    ex = Executor(
-        model_dir,
-        dtype=a.dtype,
-        device=a.device,
-        num_blocks=blocks,
-        chunk_cap=a.chunk_cap,
-        step_budget=a.step_budget,
-        max_batch_size=a.max_batch_size,
-        threads=a.threads,
-    )
-    run_ours(ex, workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
+
+    def warmed(dtype: str) -> Executor:
+        ex = Executor(
+            model_dir,
+            dtype=dtype,
+            device=a.device,
+            num_blocks=blocks,
+            chunk_cap=a.chunk_cap,
+            step_budget=a.step_budget,
+            max_batch_size=a.max_batch_size,
+            threads=a.threads,
+        )
+        run_ours(ex, workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
+        return ex
+
+    ex = warmed(a.dtype)
     rate_before = compute.gemm_rate(ex)
     prof = None
     if a.profile is not None:
@@ -279,17 +284,7 @@ def main(argv: list[str]) -> int:
         f"{res['single_outside_forward_ms_per_step']:.2f} ms per step outside the forward"
     )
     if a.against:
-        other = Executor(
-            model_dir,
-            dtype=a.against,
-            device=a.device,
-            num_blocks=blocks,
-            chunk_cap=a.chunk_cap,
-            step_budget=a.step_budget,
-            max_batch_size=a.max_batch_size,
-            threads=a.threads,
-        )
-        run_ours(other, workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
+        other = warmed(a.against)
         res["against"] = {
             "dtype": a.against,
             **paired_rounds(ex, other, prompts, a.new_tokens, a.rounds),
