@@ -163,15 +163,15 @@ def cpu_now(pids: dict[str, int]) -> dict[str, float]:
     return {n: process_cpu_s(p) for n, p in pids.items()} | {"client": time.process_time()}
 
 
-def cpu_during(pids: dict[str, int], before: dict[str, float]) -> dict[str, Any]:
+def cpu_during(pids: dict[str, int], before: dict[str, float]) -> dict[str, float]:
     """CPU seconds each actor and the client took since ``before`` (``cpu_now``), and the
     percentage of all of it that was not the executor's: what competes with its threads for the
     cores (the pipeline's cost against the executor alone)."""
     now = cpu_now(pids)
-    used: dict[str, Any] = {n: now[n] - before.get(n, 0.0) for n in now}
+    used = {n: round(now[n] - before.get(n, 0.0), 2) for n in now}
     total = sum(used.values())
     others = 100 * (1 - used.get("executor", 0.0) / total) if total else 0.0
-    return {n: f"{v:.2f}" for n, v in used.items()} | {"others_pct": f"{others:.1f}"}
+    return used | {"others_pct": round(others, 1)}
 
 
 def run_once(
@@ -296,7 +296,10 @@ def main(argv: list[str]) -> int:
         "\n## Time outside the forward (executor step events)\n",
         report.table(ctl, ["run", "steps", "forward_s", "step_s", "control_s", "control_share"]),
         "\n## CPU seconds during the run, per process (the client is this benchmark's driver)\n",
-        report.table([{"run": n, **r["cpu_s"]} for n, r in runs.items()], CPU_COLS),
+        report.table(
+            [{"run": n} | {k: f"{v:g}" for k, v in r["cpu_s"].items()} for n, r in runs.items()],
+            CPU_COLS,
+        ),
     ]
     data: dict[str, Any] = {"args": vars(a), "runs": runs, "sweep": sweep}
     if a.compare:

@@ -121,7 +121,15 @@ class SchedulerActor(Actor):
         return n
 
     def is_ready(self) -> bool:
-        return not self.down and time.monotonic() >= self.settle_until and self.core.kv_serving
+        """Admitting: every peer alive, settled after a restart, the KV manager serving, and the
+        peers' reconcile answers in (so the front door, which waits for this, sends no request
+        that a (re)starting scheduler would take for one it inherited)."""
+        return (
+            not self.down
+            and self.answers is None
+            and time.monotonic() >= self.settle_until
+            and self.core.kv_serving
+        )
 
     def handle(self, ident: bytes, msg: Any) -> None:
         core = self.core
