@@ -155,3 +155,25 @@ def test_a_resumed_request_gets_a_new_id_and_only_its_client_sees_it():
     assert again is not None and again != first and again.startswith("1@")
     assert ep.lookup(b"c1", "1") == again  # cancel reaches the resumed request
     assert ep.rekey(b"c2", "1") is None and ep.rekey(b"c1", "2") is None
+
+
+def test_a_starting_scheduler_is_ready_only_once_its_peers_answered() -> None:
+    """The front door (and ``minirt ready``) waits for the scheduler's readiness before it takes
+    requests: a scheduler still gathering its peers' reconcile answers is not ready, so no client
+    request can reach it and be taken for one it inherited from a predecessor."""
+    from actors.runtime.config import RuntimeConfig
+    from actors.scheduler.actor import SchedulerActor
+    from messages.scheduler import ExecutorHeld, KVHeld, LiveRequests
+
+    actor = SchedulerActor(RuntimeConfig())  # no sockets until open()
+    actor.settle_until = 0.0  # past the settling time a restart waits
+    answers = [
+        ("tokenizer", LiveRequests(requests=[])),
+        ("executor", ExecutorHeld(running=[], ended=[])),
+        ("kv_manager", KVHeld(allocations=[])),
+    ]
+    ready = [actor.is_ready()]
+    for peer, msg in answers:
+        actor.on_peer_reply(peer, msg)
+        ready.append(actor.is_ready())
+    assert ready == [False, False, False, True]

@@ -29,6 +29,7 @@ from actors.bench.driver import drive
 from actors.bench.workloads import WORKLOADS, Job, poisson
 from actors.eventlog import read_events
 from actors.eventlog import summary as report
+from actors.launch.launch import actor_pids
 from actors.replay.runlog import keep_run, slug
 
 SUMMARY_COLS = [
@@ -149,13 +150,6 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def actor_pids(run_dir: Path) -> dict[str, int]:
-    """Each actor's pid, from its (last) ``actor.started`` event."""
-    return {
-        e["actor"]: int(e["pid"]) for e in read_events(run_dir) if e.get("event") == "actor.started"
-    }
 
 
 def cpu_now(pids: dict[str, int]) -> dict[str, float]:

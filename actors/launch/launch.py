@@ -37,8 +37,14 @@ class Runtime:
         ]
 
     def pid_of(self, actor: str) -> int:
-        starts = [e for e in self.events("actor.started") if e.get("actor") == actor]
-        return int(starts[-1]["pid"])
+        return actor_pids(self.run_dir)[actor]
+
+
+def actor_pids(run_dir: Path) -> dict[str, int]:
+    """Each actor's pid, from its last ``actor.started`` event (a restarted actor's newest)."""
+    return {
+        e["actor"]: int(e["pid"]) for e in read_events(run_dir) if e.get("event") == "actor.started"
+    }
 
 
 @contextmanager
