@@ -1,4 +1,4 @@
-# minirt: `make run` starts the runtime on a built-in tiny model, `make test` runs every check.
+# minirt: `make run` serves SmolLM2-135M-Instruct (fetched once; offline the built-in tiny model), `make test` runs every check.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp

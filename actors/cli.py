@@ -138,10 +138,17 @@ def _up(args: argparse.Namespace) -> int:
         return up_cluster(args, _config_args, cfg)
     if cfg.replica:  # every actor of this instance labels its events with the replica's name
         os.environ["MINIRT_REPLICA"] = cfg.replica
-    path = prepare(cfg)
+    try:
+        path = prepare(cfg)
+    except ValueError as e:  # a model not found, refused or too big for the pool: say which
+        print(f"minirt up: {e}", file=sys.stderr)
+        return 2
     configure("supervisor", cfg.run_dir, stdout=False, replica=cfg.replica)
+    tokens = int(cfg.kv.num_blocks or 0) * cfg.kv.block_size
     print(
-        f"minirt: model {cfg.model}, run dir {cfg.run_dir}, {cfg.kv.num_blocks} KV blocks",
+        f"minirt: model {cfg.http.served_model_name} ({cfg.model}), run dir {cfg.run_dir}, "
+        f"KV pool {cfg.kv.num_blocks} blocks = {tokens:,} tokens, max_model_len "
+        f"{cfg.max_model_len:,}",
         file=sys.stderr,
         flush=True,
     )

@@ -61,6 +61,7 @@ class ExecutorActor(RecoveryMixin, Actor):
             max_long_prefills=x.max_long_prefills,
             decode_first=x.decode_first,
             threads=x.threads,
+            max_model_len=cfg.max_model_len,
         )
         self.flight: dict[str, Flight] = {}
         self.compiling = PendingCompiles(self.ex.structured)
@@ -84,6 +85,9 @@ class ExecutorActor(RecoveryMixin, Actor):
             dtype=str(self.ex.dtype),
             num_blocks=self.ex.num_blocks,
             block_size=self.ex.block_size,
+            kv_tokens=self.ex.num_blocks * self.ex.block_size,
+            kv_bytes=self.ex.kv_bytes,
+            max_model_len=self.ex.max_model_len,
             # the C kernel needs a C compiler where the executor runs (the image has one)
             decode_attention="paged_kernel"
             if usable(self.ex.device, self.ex.kv_dtype)

@@ -43,7 +43,9 @@ class Executor:
     Attributes: ``num_blocks``, ``block_size``, ``kv_bytes``, ``max_model_len``, ``vocab_size``,
     ``eos_token_ids``, ``device``, ``dtype``. ``kv_memory`` is bytes (int) or a fraction of free
     device memory (float in (0, 1]); ``num_blocks`` wins over it; with neither, the default of
-    ``gpu.kv_cache.pool_blocks`` (512 MiB on cpu, 80% of free memory on cuda). ``threads`` sets
+    ``gpu.kv_cache.pool_blocks`` (a fraction of the memory left after the weights, at most what
+    ``max_batch_size`` requests of the model's context can use). ``max_model_len`` (default: the
+    model's context, capped by the pool's tokens) bounds prompt plus output. ``threads`` sets
     torch's intra-op thread count (process-wide).
     Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
     """
@@ -64,6 +66,7 @@ class Executor:
         max_long_prefills: int = 1,
         decode_first: bool = True,
         threads: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -89,18 +92,23 @@ class Executor:
         self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
         self.model = LlamaFamilyModel(
             spec,
-            loader.load_weights(model_dir, self.kv_dtype, self.device),
+            loader.load_weights(
+                model_dir, self.kv_dtype, self.device, tied=spec.tie_word_embeddings
+            ),
             self.device,
             self.dtype,
         )
         self.model.warm_up()
         self.vocab_size = spec.vocab_size
-        self.max_model_len = spec.max_model_len
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
         self.block_size = block_size
         if num_blocks is None:
-            num_blocks = pool_blocks(spec, self.kv_dtype, self.device, block_size, kv_memory)
+            most = max_batch_size * spec.max_model_len
+            num_blocks = pool_blocks(spec, self.kv_dtype, self.device, block_size, kv_memory, most)
         self.num_blocks = num_blocks
+        self.max_model_len = min(
+            max_model_len or spec.max_model_len, spec.max_model_len, num_blocks * block_size
+        )
         self.kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.kv_dtype
         )

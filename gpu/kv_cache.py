@@ -12,6 +12,7 @@ functions that need it, so sizing a pool from a config does not pull in the exec
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,8 +21,15 @@ if TYPE_CHECKING:
     from actors.runtime.config import RuntimeConfig
     from gpu.loader import ModelSpec
 
-DEFAULT_CPU_KV_BYTES = 512 << 20  # the KV budget on cpu when none is given
-DEFAULT_CUDA_KV_FRACTION = 0.8  # ... and on cuda, as a fraction of free device memory
+# With no --kv-memory/--num-blocks, the pool takes this fraction of the memory left once the
+# weights are loaded: on cpu a fifth (SmolLM2-135M on a 23 GiB machine: ~4.2 GiB, 91k tokens of
+# its 46 KiB/token fp32 KV, room for 64 requests of 1,400 tokens; the rest stays with the OS,
+# the other actors, a second replica or a test run's processes); on cuda 80% of free memory.
+DEFAULT_KV_FRACTION = {"cpu": 0.2, "cuda": 0.8}
+# The executor's resident bytes per weight byte as loaded (float32 on cpu): oneDNN's packed copy,
+# the decode-row copy in 12-row blocks (gpu/linear.py) and the embedding; measured with
+# SmolLM2-135M in float32: 540 MB of weights, RSS +2.04 GB (3.8x).
+WEIGHT_COPIES = {"cpu": 4.0, "cuda": 1.0}
 
 
 def available_memory(device: torch.device) -> int:
@@ -118,22 +126,47 @@ class PagedKVCache:
                 cache.index_copy_(1, slots, x.transpose(0, 1))
 
 
+def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Bytes of ``spec``'s parameters in ``dtype`` (norms left out)."""
+    import torch
+
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size
+    heads = 1 if spec.tie_word_embeddings else 2
+    params = spec.num_layers * per_layer + heads * spec.vocab_size * h
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
+def default_kv_bytes(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> int:
+    """The default KV budget: ``DEFAULT_KV_FRACTION`` of the memory available once the weights
+    are loaded (free memory now, less the executor's expected weight footprint)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    after = available_memory(device) - int(weight_bytes(spec, dtype) * WEIGHT_COPIES[kind])
+    return max(0, int(after * DEFAULT_KV_FRACTION[kind]))
+
+
 def pool_blocks(
     spec: ModelSpec,
     dtype: torch.dtype,
     device: torch.device,
     block_size: int,
     kv_memory: int | float | None = None,
+    max_tokens: int | None = None,
 ) -> int:
     """Blocks of ``block_size`` tokens for ``spec``'s KV within ``kv_memory`` (bytes if an int or a
-    float > 1, else a fraction of free device memory); None means the default budget:
-    ``DEFAULT_CPU_KV_BYTES`` on cpu, ``DEFAULT_CUDA_KV_FRACTION`` of free memory on cuda."""
+    float > 1, else a fraction of free device memory); None means :func:`default_kv_bytes`, at
+    most ``max_tokens`` (what the batch can ever use: more would be memory never touched)."""
     per_block = PagedKVCache.bytes_per_block(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype
     )
-    if kv_memory is None:
-        kv_memory = DEFAULT_CUDA_KV_FRACTION if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
-    return PagedKVCache.blocks_for_budget(kv_memory, per_block, device)
+    if kv_memory is not None:
+        return PagedKVCache.blocks_for_budget(kv_memory, per_block, device)
+    blocks = PagedKVCache.blocks_for_budget(
+        max(default_kv_bytes(spec, dtype, device), per_block), per_block, device
+    )
+    if max_tokens:
+        blocks = min(blocks, -(-max_tokens // block_size))
+    return blocks
 
 
 def resolve_num_blocks(cfg: RuntimeConfig) -> int:
@@ -146,6 +179,44 @@ def resolve_num_blocks(cfg: RuntimeConfig) -> int:
 
     device = loader.resolve_device(cfg.executor.device)
     dtype = loader.attention_dtype(loader.resolve_dtype(cfg.executor.dtype, device), device)
-    return pool_blocks(
-        loader.load_spec(cfg.model), dtype, device, cfg.kv.block_size, cfg.kv.kv_memory
-    )
+    spec = loader.load_spec(cfg.model)
+    most = cfg.scheduler.max_batch_size * spec.max_model_len
+    return pool_blocks(spec, dtype, device, cfg.kv.block_size, cfg.kv.kv_memory, most)
+
+
+def resolve_max_model_len(cfg: RuntimeConfig) -> int:
+    """The longest request served, prompt plus output: ``max_model_len`` if given (refused past
+    the model's context or the pool), else the model's context capped by the pool's tokens. A
+    request longer than the whole pool could never run, in any ``--kv-mode``."""
+    from gpu import loader
+
+    model_len = loader.load_spec(cfg.model).max_model_len
+    pool = int(cfg.kv.num_blocks or resolve_num_blocks(cfg)) * cfg.kv.block_size
+    if cfg.max_model_len is None:
+        return min(model_len, pool)
+    want = int(cfg.max_model_len)
+    if want < 2:
+        raise ValueError(f"max_model_len must be at least 2, got {want}")
+    if want > model_len:
+        raise ValueError(f"max_model_len {want} exceeds the model's context ({model_len} tokens)")
+    if want > pool:
+        raise ValueError(
+            f"max_model_len {want} exceeds what the KV pool holds ({pool} tokens); "
+            "raise --kv-memory/--num-blocks or lower --max-model-len"
+        )
+    return want
+
+
+def resolve_serving(cfg: RuntimeConfig, say=None) -> None:
+    """Resolve, once, what every actor must agree on: the model (``--model`` as given to a local
+    directory, see gpu.sources; the served name defaults to what was given), the KV pool's blocks
+    and ``max_model_len``. Idempotent: a resolved config resolves to itself."""
+    from gpu.sources import resolve
+
+    if not (cfg.model and (Path(cfg.model) / "config.json").is_file()):
+        got = resolve(cfg.model, say=say)
+        cfg.model = str(got.path)
+        cfg.http.served_model_name = cfg.http.served_model_name or got.name
+    cfg.http.served_model_name = cfg.http.served_model_name or cfg.model
+    cfg.kv.num_blocks = resolve_num_blocks(cfg)
+    cfg.max_model_len = resolve_max_model_len(cfg)

@@ -113,9 +113,18 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int = 0):
 
 
 def make_model(
-    arch: str, size: str, out: str | Path, seed: int = 0, dtype: str = "float32"
+    arch: str,
+    size: str,
+    out: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random-weight ``arch`` model of ``size`` plus tokenizer into ``out``; return the path."""
+    """Write a random-weight ``arch`` model of ``size`` plus tokenizer into ``out``; return the path.
+
+    ``config_overrides``: config keyword arguments applied last, over the size's and the
+    architecture's defaults (e.g. ``{"rope_parameters": {...}}``, ``{"attention_bias": True}``);
+    the tests build the model variants with them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -140,7 +149,8 @@ def make_model(
         extra["use_sliding_window"] = False
     if size == "tiny":
         dims["tie_word_embeddings"] = arch in ("qwen2", "qwen3")
-    config = AutoConfig.for_model(arch, **dims, **extra)
+    kwargs = {**dims, **extra, **(config_overrides or {})}
+    config = AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(

@@ -141,8 +141,11 @@ class LlamaFamilyModel:
         norm_dt = torch.float32 if self.mixed else dtype
         self.norm = weights["model.norm.weight"].to(norm_dt)
         head = weights.get("lm_head.weight")
-        if head is None or spec.tie_word_embeddings:
-            head = self.embed
+        if spec.tie_word_embeddings:
+            head = self.embed  # transformers ties the head to the embedding, whatever is stored
+        elif head is None:
+            # transformers would start such a head from random weights
+            raise ValueError("tie_word_embeddings is false but the weights hold no lm_head.weight")
         head = head.to(norm_dt)  # the embedding itself where it already is float32
         # tied: the embedding keeps the plain weight resident anyway, so lone decodes use it
         self.lm_head = Linear(
@@ -166,21 +169,49 @@ class LlamaFamilyModel:
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     def _rope_table(self, device: torch.device, dtype: torch.dtype):
-        """cos/sin for every position, computed exactly as transformers' rotary embedding does."""
+        """cos/sin for positions ``[0, max_model_len)``, each the value transformers' rotary
+        embedding gives that position when it generates (docs/models.md):
+
+        - "default": ``rope_theta ** (-2i / head_dim)``, as the models' own default function;
+        - "linear", "llama3", "yarn", "proportional": frequencies and ``attention_factor``
+          (yarn's, the cos/sin scale) from transformers' own ``ROPE_INIT_FUNCTIONS``, computed
+          on the CPU as transformers does at init; they do not depend on the sequence length;
+        - "dynamic": the same function at init (``seq_len`` = ``max_position_embeddings``, where
+          its NTK base is ``rope_theta`` itself); transformers recomputes only once a forward call
+          passes ``max_position_embeddings``, which ``max_model_len`` never does;
+        - "longrope": the short factors, with the attention factor; transformers switches a whole
+          forward call to the long factors once it passes ``original_max_position_embeddings``,
+          and :func:`gpu.loader.load_spec` caps ``max_model_len`` there.
+        """
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        cfg = self.spec.hf_config
-        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+        spec = self.spec
+        cfg = spec.hf_config
+        rp = getattr(cfg, "rope_parameters", None) or {}
+        rope_type = rp.get("rope_type", "default")
         if rope_type == "default":
-            base = cfg.rope_parameters["rope_theta"]
-            dim = self.spec.head_dim
-            inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            dim = spec.head_dim
+            inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
-        elif rope_type in ("linear", "llama3", "yarn", "longrope"):
-            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, device)
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg)  # on the CPU, as at HF's init
         else:
-            raise ValueError(f"rope_type {rope_type!r} is not supported")
-        pos = torch.arange(self.spec.max_model_len, dtype=torch.int64).float()
+            raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported")
+        # the lengths past which transformers changes the frequencies (gpu.loader._length_caps)
+        limit = {
+            "dynamic": cfg.max_position_embeddings,
+            "longrope": rp.get("original_max_position_embeddings"),
+        }.get(rope_type)
+        if limit is not None and spec.max_model_len > limit:
+            raise ValueError(
+                f"rope_type {rope_type!r} is exact up to {limit} positions, "
+                f"not max_model_len {spec.max_model_len}"
+            )
+        if inv.numel() * 2 != spec.head_dim:
+            raise ValueError(
+                f"rope_type {rope_type!r} gave {inv.numel()} frequencies for head_dim {spec.head_dim}"
+            )
+        pos = torch.arange(spec.max_model_len, dtype=torch.int64).float()
         freqs = pos[:, None] * inv.to(torch.float32).cpu()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * scaling, emb.sin() * scaling

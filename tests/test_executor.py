@@ -292,19 +292,38 @@ def test_block_budget_and_unsupported_arch(tiny_model, tmp_path):
         Executor(tmp_path)
 
 
-def test_pool_size_has_one_default(tiny_model):
-    """The supervisor's pool size (resolve_num_blocks) and the executor's own default agree."""
+def test_pool_size_has_one_default(tiny_model, monkeypatch):
+    """The supervisor's pool size (resolve_num_blocks) and the executor's own default agree: a
+    fifth of the memory left after the weights (their expected footprint, WEIGHT_COPIES times
+    their bytes), at most what max_batch_size requests of the model's context can use."""
     from actors.runtime.config import RuntimeConfig
-    from gpu.kv_cache import DEFAULT_CPU_KV_BYTES, resolve_num_blocks
+    from gpu import kv_cache
+    from gpu.kv_cache import resolve_max_model_len, resolve_num_blocks, weight_bytes
+    from gpu.loader import load_spec
 
     cfg = RuntimeConfig(model=str(tiny_model))
     per_block = 2 * 2 * 2 * 16 * 16 * 4  # K+V, layers, kv heads, head dim, tokens, float32
-    assert resolve_num_blocks(cfg) == DEFAULT_CPU_KV_BYTES // per_block
+    # plenty of memory: capped at 256 requests x 1,024 positions
+    assert resolve_num_blocks(cfg) == 256 * 1024 // 16
+    assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
+    # 64 MiB available: a fifth of what is left once the weights' footprint is taken
+    spec = load_spec(tiny_model)
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 64 << 20)
+    left = (64 << 20) - int(weight_bytes(spec, torch.float32) * kv_cache.WEIGHT_COPIES["cpu"])
+    assert resolve_num_blocks(cfg) == int(left * 0.2) // per_block
     assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
     cfg.kv.kv_memory = float(1 << 20)
     assert resolve_num_blocks(cfg) == (1 << 20) // per_block
     cfg.kv.num_blocks = 7
     assert resolve_num_blocks(cfg) == 7
+    # max_model_len: the model's 1,024 positions capped by the pool's 112 tokens
+    assert resolve_max_model_len(cfg) == 7 * 16
+    cfg.max_model_len = 200
+    with pytest.raises(ValueError, match="exceeds what the KV pool holds"):
+        resolve_max_model_len(cfg)
+    cfg.kv.num_blocks, cfg.max_model_len = 1000, 2000
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        resolve_max_model_len(cfg)
 
 
 def test_logprobs(tiny_model):

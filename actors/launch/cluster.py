@@ -224,7 +224,6 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
 
     from actors.launch.replicas import passthrough_flags, plan
     from actors.launch.router import RouterMissing
-    from actors.launch.supervisor import builtin_model
     from actors.runtime.events import configure
     from actors.runtime.security import is_local
 
@@ -242,8 +241,13 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
                 "--allow-remote and --api-key KEY"
             )
         flags = passthrough_flags(setup, args)
-        if not cfg.model:  # resolve the built-in model once, not in every replica at once
-            flags += ["--model", str(builtin_model())]
+        if not cfg.model:  # resolve the default model once, not in every replica at once
+            from gpu.sources import resolve
+
+            default = resolve("")
+            flags += ["--model", str(default.path)]
+            if not http.served_model_name:
+                flags += ["--served-model-name", default.name]
         spec = plan(
             args.replicas,
             cfg.run_dir,

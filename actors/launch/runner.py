@@ -132,6 +132,10 @@ def run_actor(name: str, cfg: RuntimeConfig) -> int:
     configure(name, cfg.run_dir)
     log = get_logger()
     try:
+        if cfg.max_model_len is None:  # not from `minirt up` (compose): resolve here
+            from gpu.kv_cache import resolve_serving
+
+            resolve_serving(cfg)
         actor = build_actor(name, cfg)
     except Exception as e:
         log.exception("actor.failed_to_start", error=str(e))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,29 +16,14 @@ from actors.launch.health import wait_ready
 from actors.runtime.config import ACTORS, RuntimeConfig
 from actors.runtime.events import get_logger
 
-BUILTIN_MODEL = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt")) / "models"
-
-
-def builtin_model(arch: str = "qwen2", size: str = "tiny") -> Path:
-    """The built-in random-weight model, created on first use in the cache directory."""
-    from gpu.make_model import make_model
-
-    path = BUILTIN_MODEL / f"{size}-{arch}"
-    if not (path / "config.json").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_model(arch, size, tmp)
-        tmp.rename(path)
-    return path
-
 
 def prepare(cfg: RuntimeConfig) -> Path:
-    """Resolve the model, endpoints and KV pool size; write RUN_DIR/config.json (children read it)."""
-    if not cfg.model:
-        cfg.model = str(builtin_model())
-    cfg.resolve()
-    from gpu.kv_cache import resolve_num_blocks
+    """Resolve the model (gpu.sources), endpoints, KV pool size and max_model_len; write
+    RUN_DIR/config.json (children read it)."""
+    from gpu.kv_cache import resolve_serving
 
-    cfg.kv.num_blocks = resolve_num_blocks(cfg)
+    resolve_serving(cfg)
+    cfg.resolve()
     run = Path(cfg.run_dir)
     for sub in ("sock", "events", "logs"):
         (run / sub).mkdir(parents=True, exist_ok=True)

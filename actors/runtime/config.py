@@ -176,7 +176,18 @@ class HttpConfig:
 @dataclass
 class RuntimeConfig:
     model: str = field(
-        default="", metadata=doc("model directory (HF layout); default: built-in tiny model")
+        default="",
+        metadata=doc(
+            "a Hugging Face model directory, a .gguf file or a hub id org/name[@revision] from "
+            "the local HF cache; default: SmolLM2-135M-Instruct (fetched once)"
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=doc(
+            "longest request, prompt plus output, in tokens (default: the model's context, "
+            "capped by what the KV pool holds)"
+        ),
     )
     run_dir: str = field(default=".minirt", metadata=doc("sockets, events and logs go here"))
     replica: str = field(
