@@ -58,10 +58,12 @@ class TokenizerService(ResumingMixin, Actor):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         model_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
         self.vocab_size = int(model_cfg["vocab_size"])
-        self.max_model_len = int(model_cfg.get("max_position_embeddings", 2048))
+        self.max_model_len = int(
+            cfg.max_model_len or model_cfg.get("max_position_embeddings", 2048)
+        )
         eos = model_cfg.get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.model_name = Path(cfg.model).name
+        self.model_name = cfg.http.served_model_name or Path(cfg.model).name
         self.client_decoder: Decoder[Any] = Decoder(FromClient)
         self.client_sock: ZSocket | None = None
         self.clients = ClientEndpoint(

@@ -100,13 +100,15 @@ def tokenize_request(
         raise Invalid(
             ErrorCode.TOO_LONG,
             "prompt",
-            f"{len(ids)} tokens; the model's context is {max_model_len}",
+            f"{len(ids)} tokens; max_model_len is {max_model_len} (the model's context, capped "
+            "by what the KV pool holds)",
         )
     if len(ids) + msg.params.max_tokens > max_model_len:
         raise Invalid(
-            ErrorCode.INVALID,
+            ErrorCode.TOO_LONG,
             "params.max_tokens",
-            f"prompt ({len(ids)}) + max_tokens ({msg.params.max_tokens}) exceeds the "
-            f"model's context {max_model_len}",
+            f"prompt ({len(ids)} tokens) + max_tokens ({msg.params.max_tokens}) exceeds "
+            f"max_model_len {max_model_len} (the model's context, capped by what the KV pool "
+            "holds)",
         )
     return ids

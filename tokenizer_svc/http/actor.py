@@ -50,7 +50,7 @@ class HttpActor(Actor):
         super().__init__(cfg)
         self.settings = cfg.http
         check_bind(self.settings, cfg.security.allow_remote)
-        self.model = ModelInfo.load(cfg.model, self.settings.served_model_name)
+        self.model = ModelInfo.load(cfg.model, self.settings.served_model_name, cfg.max_model_len)
         self.upstream = Upstream(cfg.endpoints.client, cfg.security.curve_dir, self.log)
         self.url = ""
 

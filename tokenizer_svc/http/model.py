@@ -25,7 +25,9 @@ class ModelInfo:
     aliases: frozenset[str] = frozenset()
 
     @classmethod
-    def load(cls, path: str, served_name: str = "") -> ModelInfo:
+    def load(cls, path: str, served_name: str = "", max_model_len: int | None = None) -> ModelInfo:
+        """``path``: the resolved model directory; ``max_model_len``: the runtime's (the model's
+        context capped by the KV pool, gpu.kv_cache.resolve_max_model_len)."""
         from transformers import AutoTokenizer
 
         cfg = json.loads((Path(path) / "config.json").read_text())
@@ -36,7 +38,7 @@ class ModelInfo:
             served_name=name,
             tokenizer=AutoTokenizer.from_pretrained(path),
             vocab_size=int(cfg["vocab_size"]),
-            max_model_len=int(cfg.get("max_position_embeddings", 2048)),
+            max_model_len=int(max_model_len or cfg.get("max_position_embeddings", 2048)),
             aliases=aliases,
         )
 
