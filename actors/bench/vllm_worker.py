@@ -117,7 +117,17 @@ def main(job_path: str, out_path: str) -> int:
             peak, procs = rss, names
         results.append({"seconds": secs, "outputs": outs if run.get("keep_outputs") else None})
     with open(out_path, "w") as f:
-        json.dump({"load_s": load_s, "rss_mb": peak, "rss_processes": procs, "runs": results}, f)
+        json.dump(
+            {
+                "load_s": load_s,
+                "rss_mb": peak,
+                "rss_processes": procs,
+                "runs": results,
+                # what its processes preloaded (tcmalloc from vllm_row.vllm_env, libgomp from vLLM)
+                "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            },
+            f,
+        )
     return 0
 
 
