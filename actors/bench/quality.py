@@ -9,14 +9,27 @@ transformers' (target >= 97% for bfloat16), and the mean |logprob difference| of
 token (``|log p_ours(t) - log p_hf(t)|`` with ``t`` transformers' greedy token). vLLM's CPU
 backend in the same dtype is judged on the same positions (its venv, as the other vLLM rows;
 ``--skip-vllm`` leaves it out). ``--json PATH`` also writes the results.
+
+The prompts are W1's (random token ids) unless ``--real-text``: then they are windows of real
+English and Python text found on every machine with Python, pydoc's topic help
+(``pydoc_data.topics``) and the standard library's top-level modules, tokenized by the model's
+tokenizer (``real_text_prompts``; deterministic for a given Python version and ``--seed``).
+``--batch N`` has transformers generate its greedy continuations N prompts at a time (left
+padded; several times faster on a small model); every position is then scored by transformers
+on its own, unpadded, on the continuation that was generated, and both sides are fed that same
+continuation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,27 +46,89 @@ class Agreement:
         return self.top1_equal / self.positions if self.positions else 0.0
 
 
-def reference(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
-    """Per prompt: transformers float32 log-probs ``[new_tokens, vocab]`` along its own greedy
-    continuation (row j scores output token j)."""
+@dataclass
+class Reference:
+    """transformers float32 along its greedy continuation of each prompt."""
+
+    logprobs: list[torch.Tensor]  # per prompt [new_tokens, vocab]: row j scores output token j
+    tokens: list[list[int]]  # per prompt, the continuation every row is conditioned on
+
+
+def reference(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, batch: int = 1
+) -> Reference:
+    """transformers float32: its greedy continuation of each prompt (``batch`` prompts per
+    ``generate``, left padded), then each prompt plus continuation scored alone, unpadded, in one
+    forward: the log-probs of every output position on that context."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
+    pad = 0
+    gens: list[list[int]] = []
     with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
+        for k in range(0, len(prompts), max(batch, 1)):
+            group = prompts[k : k + max(batch, 1)]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
             gen = hf.generate(
                 ids,
+                attention_mask=mask,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 eos_token_id=None,
-                pad_token_id=0,
+                pad_token_id=pad,
             )
-            logits = hf(gen[:, :-1]).logits[0, len(p) - 1 :].double()
+            gens += gen[:, width:].tolist()
+        out = []
+        for p, g in zip(prompts, gens, strict=True):
+            logits = hf(torch.tensor([p + g[:-1]])).logits[0, len(p) - 1 :].double()
             out.append(torch.log_softmax(logits, -1))
-    return out
+    return Reference(out, gens)
+
+
+def _window(text: str, rng: random.Random, want: int, tok: Any) -> list[int] | None:
+    """``want`` tokens of ``text`` from a random line start, or None if it is too short."""
+    starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n" and i + 1 < len(text)]
+    start = rng.choice(starts[: max(1, len(starts) * 3 // 4)])  # leave room after the start
+    ids = tok(text[start : start + 12 * want], add_special_tokens=False)["input_ids"]
+    return list(ids[:want]) if len(ids) >= want else None
+
+
+def real_text_prompts(
+    model_dir: Path, n: int, lo: int, hi: int, seed: int
+) -> tuple[list[list[int]], list[str]]:
+    """``n`` prompts of real text, lengths uniform in [lo, hi] tokens of the model's tokenizer
+    (no special tokens), and where each came from. Even ones: pydoc's help on a topic
+    (``pydoc_data.topics``, English prose with code); odd ones: a top-level module of the
+    standard library (Python source). Each is a window starting on a line boundary; topics, files
+    and windows are drawn by ``random.Random(seed)`` from sorted lists, so the selection depends
+    only on the seed and the Python version (its stdlib's text)."""
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rng = random.Random(seed)
+    names = sorted(topics)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in stdlib.glob("*.py") if f.stat().st_size > 4096)
+    prompts: list[list[int]] = []
+    sources: list[str] = []
+    while len(prompts) < n:
+        want = rng.randint(lo, hi)
+        if len(prompts) % 2 == 0:
+            name = rng.choice(names)
+            where, text = f"pydoc_data.topics[{name!r}]", topics[name]
+        else:
+            f = rng.choice(files)
+            where, text = f"stdlib/{f.name}", f.read_text(encoding="utf-8", errors="replace")
+        ids = _window(text, rng, want, tok)
+        if ids is not None:
+            prompts.append(ids)
+            sources.append(where)
+    return prompts, sources
 
 
 def ours_teacher_forced(
@@ -119,21 +194,21 @@ def compare(
 
 
 def compare_ref(
-    model_dir: Path, prompts: list[list[int]], ref: list[torch.Tensor], dtype: str, threads: int
+    model_dir: Path, prompts: list[list[int]], ref: Reference, dtype: str, threads: int
 ) -> Agreement:
-    forced = [r.argmax(-1).tolist() for r in ref]
-    return agreement(ref, ours_teacher_forced(model_dir, prompts, forced, dtype, threads))
+    ours = ours_teacher_forced(model_dir, prompts, ref.tokens, dtype, threads)
+    return agreement(ref.logprobs, ours)
 
 
 def vllm_agreement(
-    model_dir: Path, prompts: list[list[int]], ref: list[torch.Tensor], dtype: str
+    model_dir: Path, prompts: list[list[int]], ref: Reference, dtype: str
 ) -> Agreement | str:
     """vLLM's CPU backend in ``dtype`` on the same positions: each prompt followed by
     transformers' greedy tokens, scored in one prefill (``prompt_logprobs``), so every position
     is judged on the same context as ours; or why it was skipped."""
     from actors.bench import vllm_row
 
-    forced = [r.argmax(-1).tolist() for r in ref]
+    forced = ref.tokens
     got = vllm_row.score(
         model_dir, [p + f for p, f in zip(prompts, forced, strict=True)], dtype=dtype
     )
@@ -141,7 +216,7 @@ def vllm_agreement(
         return got.reason
     n = eq = 0
     diffs: list[float] = []
-    for p, f, r, rows in zip(prompts, forced, ref, got, strict=True):
+    for p, f, r, rows in zip(prompts, forced, ref.logprobs, got, strict=True):
         for k, tok in enumerate(f):
             entry = rows[len(p) + k]
             assert entry is not None
@@ -165,21 +240,44 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--skip-vllm", action="store_true", help="skip vLLM's row")
+    p.add_argument(
+        "--real-text",
+        action="store_true",
+        help="prompts of real text (pydoc topics, stdlib sources) instead of W1's random ids",
+    )
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--batch", type=int, default=1, help="prompts per transformers generate (left padded)"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     spec = load_spec(a.model)
-    prompts = workload(a.requests, 32, 256, spec.vocab_size, 0)  # W1's prompts
-    ref = reference(a.model, prompts, a.new_tokens)
+    lo, hi = a.min_prompt, a.max_prompt
+    sources: list[str] = []
+    if a.real_text:
+        prompts, sources = real_text_prompts(a.model, a.requests, lo, hi, a.seed)
+    else:
+        prompts = workload(a.requests, lo, hi, spec.vocab_size, a.seed)  # W1's prompts
+    ref = reference(a.model, prompts, a.new_tokens, a.batch)
     res = compare_ref(a.model, prompts, ref, a.dtype, a.threads)
     out: dict[str, object] = {
         "model": str(a.model),
         "dtype": a.dtype,
         "requests": a.requests,
+        "prompts": "real text" if a.real_text else "W1 (random token ids)",
+        "prompt_tokens": sum(len(x) for x in prompts),
+        "new_tokens": a.new_tokens,
+        "seed": a.seed,
         "positions": res.positions,
         "top1_equal_rate": res.top1_rate,
         "mean_abs_logprob_diff": res.mean_abs_logprob_diff,
         "max_abs_logprob_diff": res.max_abs_logprob_diff,
     }
+    if a.real_text:
+        out["python"] = sys.version.split()[0]
+        out["sources"] = sources
     print(
         f"{a.dtype} vs transformers float32, teacher forced, {res.positions} positions: top-1 "
         f"equal {100 * res.top1_rate:.2f}%, mean |logprob diff| {res.mean_abs_logprob_diff:.4f} "
