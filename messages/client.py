@@ -24,6 +24,8 @@ class Welcome(Msg, tag="welcome"):
     ok: bool = True
     ready: bool = True
     reason: str = ""
+    pid: int = 0  # the front door's process, and where it runs (actors.runtime.liveness.host_id):
+    host: str = ""  # a client on the same host tells a slow front door from a dead one by its pid
 
 
 class Accepted(Msg, tag="accepted"):

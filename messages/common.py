@@ -68,6 +68,7 @@ class Pong(Msg, tag="pong"):
     pid: int = 0
     boot_id: str = ""  # changes when the actor restarts
     ready: bool = True  # false while the actor settles after a (re)start
+    host: str = ""  # actors.runtime.liveness.host_id(): a peer with the same one watches its pid
 
 
 class ErrorReply(Msg, tag="error"):

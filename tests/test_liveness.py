@@ -1,4 +1,5 @@
-"""Peer liveness on trio's clock: deaths and restarts detected on time, with a mock clock.
+"""Peer liveness on trio's clock: silence makes a peer suspect, an exit or a restart makes it
+dead; with a mock clock.
 
 The pure record (``actors.runtime.liveness``) is driven directly; then two real actors talk over
 ipc sockets while a ``MockClock`` runs the heartbeats, so a death takes no real seconds.
@@ -20,19 +21,24 @@ from messages.client import Welcome
 from messages.common import ErrorCode, ErrorReply, Hello, Ping, Pong
 
 HB = 0.5
-TIMEOUT = HB * 3  # dead_after heartbeats
+TIMEOUT = HB * 3  # suspect_after heartbeats
 
 
 def kinds(changes: list[Any]) -> list[tuple[str, Kind]]:
     return [(c.peer, c.kind) for c in changes]
 
 
-async def test_a_peer_silent_past_the_timeout_dies_once_and_comes_back(mock_clock):
+async def test_a_silent_peer_is_suspect_never_dead_while_its_process_lives(mock_clock):
+    """Silence makes a peer suspect (requests wait); a watched peer (on this host) is never
+    declared dead by silence, however long: only its process's exit makes it dead."""
     live = Liveness(["kv", "executor"], heartbeat_s=HB)
     assert live.state("kv") is State.UNSEEN
     first = live.pong("kv", "b1")
     assert first is not None and (first.kind, first.boot_id) == (Kind.SEEN, "b1")
     assert live.state("kv") is State.ALIVE
+    assert live.wants_watch("kv", "b1")
+    live.watch("kv", "b1", ok=True)
+    assert not live.wants_watch("kv", "b1")  # once per process
     for _ in range(10):  # answering every heartbeat: alive however long it runs
         mock_clock.jump(HB)
         assert live.pong("kv", "b1") is None
@@ -40,15 +46,49 @@ async def test_a_peer_silent_past_the_timeout_dies_once_and_comes_back(mock_cloc
     mock_clock.jump(TIMEOUT)  # silent for exactly the timeout: not yet
     assert live.check() == []
     mock_clock.jump(0.01)
-    [died] = live.check()
-    assert (died.peer, died.kind) == ("kv", Kind.DIED)
-    assert died.reason == "kv died (no heartbeat for 1.5s)"
+    [suspect] = live.check()
+    assert (suspect.peer, suspect.kind) == ("kv", Kind.SUSPECT)
+    assert suspect.silent_s == pytest.approx(1.51)
+    assert live.state("kv") is State.SUSPECT and live.down == frozenset()
+    mock_clock.jump(3600)  # an hour stopped (a debugger): still only suspect
+    assert live.check() == [] and live.down == frozenset()
+    assert live.suspect == {"kv": pytest.approx(3601.51)}
+    cleared = live.pong("kv", "b1")  # the same process, after the stall
+    assert cleared is not None and cleared.kind is Kind.CLEARED
+    assert cleared.silent_s == pytest.approx(3601.51)
+    assert live.state("kv") is State.ALIVE and live.suspect == {}
+    died = live.exited("kv", "b1", "its process 42 exited")  # the fact
+    assert died is not None and died.kind is Kind.DIED
+    assert died.reason == "kv died (its process 42 exited)"
     assert live.down == {"kv"}
+    assert live.exited("kv", "b1") is None  # declared once
+    assert live.pong("kv", "b1") is None  # a late answer of the exited process: ignored
+    back = live.pong("kv", "b2")  # its successor
+    assert back is not None and back.kind is Kind.BACK and live.wants_watch("kv", "b2")
+
+
+async def test_a_silent_peer_not_on_this_host_dies_past_the_long_bound_which_adapts(mock_clock):
+    """No pid to watch (another container or machine): silence past ``dead_after_s`` is taken
+    for death; a peer that came back from a long silence is given 4x that silence next time."""
+    live = Liveness(["kv"], heartbeat_s=HB, dead_after_s=60.0)
+    live.pong("kv", "b1")
+    live.watch("kv", "b1", ok=False)  # not on this host (or no pidfd)
+    mock_clock.jump(TIMEOUT + 0.01)
+    assert kinds(live.check()) == [("kv", Kind.SUSPECT)]
+    mock_clock.jump(59.0)
+    assert live.check() == []
+    cleared = live.pong("kv", "b1")  # back after 60.5 s: the bound becomes 4 x 60.5 s
+    assert cleared is not None and cleared.kind is Kind.CLEARED
+    mock_clock.jump(200.0)
+    assert kinds(live.check()) == [("kv", Kind.SUSPECT)]  # 200 s < 242 s: not dead
+    mock_clock.jump(43.0)
+    [died] = live.check()
+    assert died.kind is Kind.DIED and live.down == {"kv"}
+    assert died.reason == "kv died (no heartbeat for 243.0s, not on this host)"
     mock_clock.jump(10 * HB)
     assert live.check() == []  # declared once, not at every heartbeat
-    back = live.pong("kv", "b1")  # the same process, after a stall
-    assert back is not None and back.kind is Kind.BACK
-    assert live.down == frozenset() and live.state("kv") is State.ALIVE
+    back = live.pong("kv", "b1")  # the same process after all
+    assert back is not None and back.kind is Kind.BACK and live.down == frozenset()
 
 
 async def test_a_peer_that_never_answered_is_never_declared_dead(mock_clock):
@@ -75,7 +115,10 @@ async def test_a_new_boot_id_is_a_restart_and_late_answers_of_the_old_process_ar
     live.pong("executor", "x1")
     mock_clock.jump(0.2)
     # the stale Pong did not count: kv is silent since "new" answered; the executor is not
-    assert kinds(live.check()) == [("kv", Kind.DIED)]
+    assert kinds(live.check()) == [("kv", Kind.SUSPECT)]
+    assert live.exited("kv", "old") is None  # the replaced process's exit: already known
+    died = live.exited("kv", "new")
+    assert died is not None and died.kind is Kind.DIED
     back = live.pong("kv", "newer")  # its successor, after the death was noticed
     assert back is not None and (back.kind, back.boot_id) == (Kind.BACK, "newer")
     assert live.peers["kv"].restarts == 2
@@ -116,9 +159,14 @@ class Probe(Actor):
         self.changed = trio.Event()
         self.seen = {p: trio.Event() for p in self.peers}  # answered a heartbeat
 
+    def _watch(self, peer: str, pong: Pong) -> None:
+        # both actors live in this process, so a "death" is a cancelled task, not an exit: watch
+        # no pid, as for a peer on another host (silence past the long bound is its death)
+        self.liveness.watch(peer, pong.boot_id, ok=False)
+
     def _peer_changed(self, change: Any, pid: int = 0) -> None:
         super()._peer_changed(change, pid)
-        if change.kind is not Kind.DIED:
+        if change.kind not in (Kind.DIED, Kind.SUSPECT):
             self.seen[change.peer].set()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
@@ -170,14 +218,15 @@ async def test_actor_notices_a_peer_die_and_restart_on_the_mock_clock(heartbeat_
             await wait_change(0)
         assert watcher.deaths == [] and watcher.down == frozenset()
 
-        first_scope.cancel()  # the peer dies
+        first_scope.cancel()  # the peer goes silent for good
         died_at = trio.current_time()
         await wait_change(0)
         [(name, reason)] = watcher.deaths
         assert name == "kv_manager" and reason.startswith("kv_manager died (no heartbeat for")
-        # declared at the first heartbeat after dead_after heartbeats of silence since the last
-        # answer, which came at most one heartbeat before the death
-        assert TIMEOUT - HB < trio.current_time() - died_at <= TIMEOUT + HB
+        assert reason.endswith("not on this host)")
+        # suspect first, then dead at the first heartbeat past the long bound
+        bound = watcher.liveness.dead_after_s
+        assert bound - HB < trio.current_time() - died_at <= bound + HB
         assert watcher.down == {"kv_manager"} and watcher.returns == []
 
         second, second_scope = await start_peer()  # its successor, on the same endpoint

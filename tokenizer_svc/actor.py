@@ -12,6 +12,7 @@ whose attempt dies with another actor is resumed, token for token (``resuming``,
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -23,7 +24,7 @@ import zmq
 
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
-from actors.runtime.liveness import State
+from actors.runtime.liveness import State, host_id
 from actors.runtime.transport import ZSocket
 from messages import client as cm
 from messages.codec import Decoder
@@ -92,10 +93,16 @@ class TokenizerService(ResumingMixin, Actor):
 
     # ------------------------------------------------------------ readiness
     def waiting_for(self) -> list[str]:
-        """What keeps the runtime from serving: peers not heard from (or down), a scheduler that
-        does not admit yet."""
-        missing = [p for p in self.liveness.peers if self.liveness.state(p) is not State.ALIVE]
-        if "scheduler" not in missing and not self.peer_ready.get("scheduler", False):
+        """What keeps the runtime from serving: peers not heard from, suspect (silent: slow or
+        stopped; requests wait for them) or down, a scheduler that does not admit yet."""
+        suspect = self.liveness.suspect
+        missing = [
+            f"{p} (suspect: silent {suspect[p]:.1f}s)" if p in suspect else p
+            for p in self.liveness.peers
+            if self.liveness.state(p) is not State.ALIVE
+        ]
+        scheduler_up = self.liveness.state("scheduler") is State.ALIVE
+        if scheduler_up and not self.peer_ready.get("scheduler", False):
             missing.append("scheduler (not admitting yet)")
         return missing
 
@@ -144,6 +151,8 @@ class TokenizerService(ResumingMixin, Actor):
                 ok=not refusal,
                 ready=not waiting,
                 reason=refusal or (f"waiting for {', '.join(waiting)}" if waiting else ""),
+                pid=os.getpid(),
+                host=host_id(),
             ),
         )
 

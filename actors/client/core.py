@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from actors.runtime.liveness import host_id
 from messages import client as cm
 from messages.codec import encode
 from messages.common import (
@@ -123,16 +124,30 @@ def ends_stream(msg: Any) -> bool:
     return isinstance(msg, cm.Final)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 class ServerWatch:
     """What both clients know of the server, without a socket: the handshake's answer, and
     whether the process that welcomed us restarted (a ``Pong`` with another boot id) or went
     silent. Silence counts only while a request is open; the client then pings every
     ``probe_s``, and ``dead_s`` seconds without any message lose the open requests (the clients
-    then resume them, or fail them with ``resume=False``)."""
+    then resume them, or fail them with ``resume=False``). A front door that dies is restarted
+    by its supervisor within seconds and answers with a new boot id, which the client notices at
+    its next ping; ``dead_s`` is for a server gone for good, so it is long: a slow, starved or
+    paused server (a busy machine, a CPU quota, a debugger) is not a dead one."""
 
-    def __init__(self, probe_s: float = 1.0, dead_s: float = 3.0) -> None:
+    def __init__(self, probe_s: float = 1.0, dead_s: float = 60.0, exit_s: float = 3.0) -> None:
         self.probe_s = probe_s
         self.dead_s = dead_s
+        self.exit_s = exit_s  # silent this long on the same host: is its process still there?
         self.welcome: cm.Welcome | None = None
         self.last_rx = 0.0
         self.open = 0  # requests waiting for the server
@@ -175,9 +190,15 @@ class ServerWatch:
         return None
 
     def silence(self, now: float) -> str | None:
-        """Why the open requests are lost when the server has been silent too long, else None."""
+        """Why the open requests are lost when the server has been silent too long, else None:
+        on this host, silent ``exit_s`` with its process gone; anywhere, silent ``dead_s``."""
         silent = now - self.last_rx
-        if self.open and silent > self.dead_s:
+        if not self.open or silent <= self.exit_s:
+            return None
+        w = self.welcome
+        if w is not None and w.pid and w.host and w.host == host_id() and not pid_alive(w.pid):
+            return f"tokenizer service exited (pid {w.pid}, silent {silent:.1f}s)"
+        if silent > self.dead_s:
             return f"tokenizer service stopped answering ({silent:.1f}s)"
         return None
 

@@ -32,6 +32,9 @@ def prepare(cfg: RuntimeConfig) -> Path:
     return path
 
 
+WEDGE_PROBE_S = 5.0  # the supervisor pings each actor this often (wedge watch)
+
+
 class RestartBudget:
     """How often an actor may die and be restarted: at most ``limit`` times within any
     ``window_s`` seconds (as Erlang supervisors' intensity and period, or systemd's start limit),
@@ -98,6 +101,7 @@ class Supervisor:
         self.log = get_logger()
         self.stopping = False
         self._ready_count = 0
+        self.curve = cfg.curve_keys()
 
     async def run(
         self, task_status: Any = trio.TASK_STATUS_IGNORED, ready_timeout: float = 120.0
@@ -113,6 +117,8 @@ class Supervisor:
                         waits.start_soon(self._ready, waits, name, ready_timeout)
                 for child in self.children.values():
                     nursery.start_soon(self._watch, child)
+                    if self.cfg.wedged_after_s > 0:
+                        nursery.start_soon(self._wedge_watch, child)
                 endpoint = self.cfg.endpoints.client
                 self.log.info("supervisor.ready", endpoint=endpoint)
                 task_status.started(endpoint)
@@ -168,6 +174,34 @@ class Supervisor:
                 pid=child.proc.pid,
                 restarts=budget.total,
             )
+
+    async def _wedge_watch(self, child: Child) -> None:
+        """A slow actor is not dead (its peers only suspect it, and requests wait), but one that
+        answers no ping for ``wedged_after_s`` (a deadlock, a lost thread) is killed here, with
+        an event naming why; its exit is then a fact every peer sees, and ``_watch`` restarts
+        it. Pings every ``WEDGE_PROBE_S``; the time counts from the last answer or start."""
+        from actors.launch.health import ping
+
+        bound = self.cfg.wedged_after_s
+        endpoint = self.cfg.endpoints.of(child.name)
+        last, proc = trio.current_time(), child.proc
+        while True:
+            await trio.sleep(min(WEDGE_PROBE_S, bound))
+            pong = await ping(endpoint, timeout=min(WEDGE_PROBE_S, bound), curve=self.curve)
+            now = trio.current_time()
+            if pong is not None or child.proc is not proc or child.proc.returncode is not None:
+                last, proc = now, child.proc  # answered, or restarted (or restarting)
+                continue
+            if now - last > bound:
+                self.log.error(
+                    "supervisor.wedged",
+                    child=child.name,
+                    pid=proc.pid,
+                    silent_s=round(now - last, 1),
+                    reason=f"no answer to a ping for {now - last:.0f}s (--wedged-after-s {bound:g})",
+                )
+                child.signal(signal.SIGKILL)
+                last = now
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every child, wait up to ``grace`` seconds, then SIGKILL what is left."""

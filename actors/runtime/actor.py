@@ -21,7 +21,7 @@ import zmq
 
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.events import get_logger
-from actors.runtime.liveness import Change, Kind, Liveness
+from actors.runtime.liveness import Change, Kind, Liveness, host_id
 from actors.runtime.outbox import Outbox
 from actors.runtime.transport import ZSocket, open_socket, set_immediate
 from messages.codec import BadFrame, Decoder, encode
@@ -42,7 +42,7 @@ class Actor:
     name = "actor"
     inbound: Any = None
     peers: tuple[str, ...] = ("tokenizer", "scheduler", "kv_manager", "executor")
-    dead_after = 3.0  # heartbeats of silence before a peer is declared dead
+    dead_after = 3.0  # heartbeats of silence before a peer is suspect (liveness.py: not dead)
     replies: Any = None  # extra message types peers answer on our DEALERs (see on_peer_reply)
 
     def __init__(self, cfg: RuntimeConfig) -> None:
@@ -65,6 +65,7 @@ class Actor:
             (p for p in self.peers if p != self.name), self.hb, self.dead_after
         )
         self.peer_ready: dict[str, bool] = {}  # each peer's last Pong: does it take work?
+        self._nursery: trio.Nursery | None = None  # serve's: the pid watches run there
 
     # ------------------------------------------------------------------ setup
     def socket(self, kind: int, bind: str | None = None, connect: tuple[str, ...] = ()) -> ZSocket:
@@ -114,6 +115,7 @@ class Actor:
         )
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 for peer, sock in self.out.items():
                     nursery.start_soon(self._read_peer, peer, sock)
                 nursery.start_soon(self.outbox.run)
@@ -189,6 +191,7 @@ class Actor:
                     pid=os.getpid(),
                     boot_id=self.boot_id,
                     ready=self.is_ready(),
+                    host=host_id(),
                 ),
             )
         else:
@@ -269,6 +272,8 @@ class Actor:
                 change = self.liveness.pong(peer, msg.boot_id)
                 if change is not None:
                     self._peer_changed(change, msg.pid)
+                if msg.pid and msg.host and self.liveness.wants_watch(peer, msg.boot_id):
+                    self._watch(peer, msg)
             elif isinstance(msg, HelloAck):
                 if not msg.ok:
                     self.log.error(
@@ -286,6 +291,32 @@ class Actor:
                 )
             else:
                 self.on_peer_reply(peer, msg)
+
+    def _watch(self, peer: str, pong: Pong) -> None:
+        """Watch ``peer``'s process for its exit when it runs on this host (a pidfd: readable
+        once the process is gone): its death is then known at once, and silence alone never
+        declares it dead (liveness.py)."""
+        fd: int | None = None
+        if pong.host == host_id() and self._nursery is not None:
+            try:
+                fd = os.pidfd_open(pong.pid)
+            except ProcessLookupError:  # already gone
+                fd = -1
+            except OSError as e:  # no pidfd here: silence's long bound decides instead
+                self.log.warning("peer.unwatched", peer=peer, peer_pid=pong.pid, reason=str(e))
+        self.liveness.watch(peer, pong.boot_id, fd is not None)
+        if fd is not None and self._nursery is not None:
+            self._nursery.start_soon(self._await_exit, peer, pong.boot_id, pong.pid, fd)
+
+    async def _await_exit(self, peer: str, boot_id: str, pid: int, fd: int) -> None:
+        if fd >= 0:
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            finally:
+                os.close(fd)
+        change = self.liveness.exited(peer, boot_id, f"its process {pid} exited")
+        if change is not None:
+            self._peer_changed(change, pid)
 
     def on_peer_reply(self, peer: str, msg: Any) -> None:
         """Hook: a reply of one of ``replies``' types from ``peer``."""
@@ -308,6 +339,12 @@ class Actor:
     def _peer_changed(self, change: Change, pid: int = 0) -> None:
         """Act on what ``self.liveness`` noticed: a restart is a death followed by a return."""
         peer = change.peer
+        if change.kind is Kind.SUSPECT:  # slow, starved, stopped: requests wait, nothing resets
+            self.log.warning("peer.suspect", peer=peer, silent_s=round(change.silent_s, 2))
+            return
+        if change.kind is Kind.CLEARED:
+            self.log.info("peer.cleared", peer=peer, silent_s=round(change.silent_s, 2))
+            return
         if change.kind in (Kind.DIED, Kind.RESTARTED):
             self.outbox.drop(peer)  # never deliver stale messages to a successor
             self.log.error("peer.dead", peer=peer, reason=change.reason)

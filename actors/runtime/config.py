@@ -204,7 +204,18 @@ class RuntimeConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
     max_msg_size: int = field(default=64 * 1024 * 1024, metadata=doc("largest frame, in bytes"))
     heartbeat_s: float = field(
-        default=0.5, metadata=doc("ping peers this often; 3 silent heartbeats mean dead")
+        default=0.5,
+        metadata=doc(
+            "ping peers this often; 3 silent heartbeats make a peer suspect (requests wait), "
+            "its process's exit makes it dead"
+        ),
+    )
+    wedged_after_s: float = field(
+        default=300.0,
+        metadata=doc(
+            "minirt up: an actor that answers no ping for this long is killed and restarted "
+            "(0: never)"
+        ),
     )
     actor_nice: int = field(
         default=0,

@@ -1,11 +1,22 @@
-"""Which peers are alive: a pure record of heartbeat answers, on trio's clock (no sockets).
+"""Which peers are alive: a pure record of heartbeat answers and process exits, on trio's clock
+(no sockets).
 
-Every ``heartbeat_s`` an actor pings each peer and, after each heartbeat, asks ``check()`` who
-fell silent; every ``Pong`` goes to ``pong()``. Both return the ``Change`` to act on:
+Death is a fact, not a guess. Every ``heartbeat_s`` an actor pings each peer and, after each
+heartbeat, asks ``check()`` who fell silent; every ``Pong`` goes to ``pong()``; a peer process on
+this host is watched through its pid (the actor waits on a pidfd) and its exit goes to
+``exited()``. Each returns the ``Change`` to act on:
 
 - a peer that answers for the first time is ``SEEN``;
-- a peer that has answered before and then stays silent for ``dead_after`` heartbeats has
-  ``DIED`` (within 2 s by default); a peer that never answered is never declared dead;
+- a peer that has answered before and then stays silent for ``suspect_after`` heartbeats is
+  ``SUSPECT`` (slow, starved of CPU, throttled, stopped): nothing is failed or reset for it,
+  requests wait; an answer then ``CLEARED`` it;
+- a peer whose process exited has ``DIED`` at once (its pid watch);
+- a peer that is not on this host (no pid to watch: another container or machine) and stays
+  silent for ``dead_after_s`` also ``DIED``; that bound grows to 4x the longest silence a peer
+  came back from, so a machine that pauses for long also waits longer. A peer on this host is
+  never declared dead by silence: its supervisor restarts it when it is wedged
+  (actors/launch/supervisor.py);
+- a peer that never answered is never declared dead;
 - a ``Pong`` carrying a new ``boot_id`` from a peer believed alive means it ``RESTARTED``: its
   predecessor died, however fast the restart, and the new process is alive;
 - a ``Pong`` from a peer declared dead brings it ``BACK`` (its successor, or the same process
@@ -19,6 +30,8 @@ late answer of the old process can neither revive it nor pass for another restar
 from __future__ import annotations
 
 import enum
+import functools
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,12 +41,15 @@ import trio
 class State(enum.Enum):
     UNSEEN = "unseen"  # never answered
     ALIVE = "alive"
-    DEAD = "dead"  # declared dead and not back yet
+    SUSPECT = "suspect"  # silent for a while: slow or stopped, not dead
+    DEAD = "dead"  # exited (or silent past the long bound, not on this host), not back yet
 
 
 class Kind(enum.Enum):
     SEEN = "seen"  # first answer ever
-    DIED = "died"  # silent for too long
+    SUSPECT = "suspect"  # silent for suspect_after heartbeats
+    CLEARED = "cleared"  # a suspect answered again
+    DIED = "died"  # its process exited (or, not on this host, silent past the long bound)
     RESTARTED = "restarted"  # answered with a new boot id: the old process died, the new is alive
     BACK = "back"  # answers again after it was declared dead
 
@@ -44,6 +60,7 @@ class Change:
     kind: Kind
     boot_id: str  # of the process last heard from
     reason: str = ""  # DIED and RESTARTED: what requests that depended on the old process fail with
+    silent_s: float = 0.0  # SUSPECT, CLEARED, DIED by silence: how long it was silent
 
 
 @dataclass
@@ -53,12 +70,43 @@ class PeerRecord:
     last_seen: float = 0.0  # trio time of the last Pong
     retired: set[str] = field(default_factory=set)  # boot ids of processes that were replaced
     restarts: int = 0  # restarts noticed (by a new boot id or after a death)
+    watched: bool = False  # on this host, its pid watched: silence never makes it dead
+    watch_tried: bool = False  # a pid watch was tried for this process (once per process)
+    dead_after_s: float = 0.0  # not on this host: the silence taken for death
+
+
+# Not on this host (no pid to watch), a peer silent this long is taken for dead: far above a
+# busy machine's stalls (steps of 1.9-3.8 s seen at load 4 on 2 vCPUs, a CFS quota's periods,
+# a debugger's pause), and raised per peer to 4x the longest silence it came back from.
+DEAD_AFTER_S = 60.0
+
+
+@functools.cache
+def host_id() -> str:
+    """Who can watch whose pid: this kernel's boot id and this pid namespace. Two processes with
+    the same ``host_id`` see each other's pids (containers apart do not)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{ns}"
 
 
 class Liveness:
-    def __init__(self, peers: Iterable[str], heartbeat_s: float, dead_after: float = 3.0) -> None:
-        self.timeout = heartbeat_s * dead_after
-        self.peers: dict[str, PeerRecord] = {name: PeerRecord() for name in peers}
+    def __init__(
+        self,
+        peers: Iterable[str],
+        heartbeat_s: float,
+        suspect_after: float = 3.0,
+        dead_after_s: float = DEAD_AFTER_S,
+    ) -> None:
+        self.timeout = heartbeat_s * suspect_after  # silence before a peer is suspect
+        self.dead_after_s = max(dead_after_s, self.timeout)
+        self.peers: dict[str, PeerRecord] = {
+            name: PeerRecord(dead_after_s=self.dead_after_s) for name in peers
+        }
 
     def state(self, peer: str) -> State:
         return self.peers[peer].state
@@ -68,16 +116,36 @@ class Liveness:
         """Peers declared dead and not back yet."""
         return frozenset(n for n, p in self.peers.items() if p.state is State.DEAD)
 
+    @property
+    def suspect(self) -> dict[str, float]:
+        """Suspect peers and how long each has been silent."""
+        now = trio.current_time()
+        return {n: now - p.last_seen for n, p in self.peers.items() if p.state is State.SUSPECT}
+
+    def wants_watch(self, peer: str, boot_id: str) -> bool:
+        """Whether ``peer``'s process ``boot_id`` (the latest) has no pid watch tried yet."""
+        p = self.peers[peer]
+        return p.boot_id == boot_id and not p.watch_tried and p.state is not State.DEAD
+
+    def watch(self, peer: str, boot_id: str, ok: bool) -> None:
+        """A pid watch was tried for ``peer``'s process ``boot_id``: with ``ok`` its exit will be
+        reported through ``exited`` and silence never makes it dead."""
+        p = self.peers[peer]
+        if p.boot_id == boot_id:
+            p.watch_tried, p.watched = True, ok
+
     def pong(self, peer: str, boot_id: str) -> Change | None:
         """Record a ``Pong`` from ``peer``; the change it makes, if any."""
         p = self.peers[peer]
         if boot_id in p.retired:
             return None  # a late answer of a process already replaced
-        p.last_seen = trio.current_time()
+        now = trio.current_time()
+        silent, p.last_seen = now - p.last_seen, now
         previous, p.boot_id = p.boot_id, boot_id or p.boot_id
         new_process = bool(boot_id and previous and boot_id != previous)
         if new_process:
             p.retired.add(previous)
+            p.watched = p.watch_tried = False  # the successor is watched anew
         if p.state is State.UNSEEN:
             p.state = State.ALIVE
             return Change(peer, Kind.SEEN, p.boot_id)
@@ -86,20 +154,39 @@ class Liveness:
             p.restarts += new_process
             return Change(peer, Kind.BACK, p.boot_id)
         if new_process:
+            p.state = State.ALIVE
             p.restarts += 1
             return Change(
                 peer, Kind.RESTARTED, p.boot_id, f"{peer} restarted (new boot id {p.boot_id})"
             )
+        if p.state is State.SUSPECT:
+            p.state = State.ALIVE
+            p.dead_after_s = max(p.dead_after_s, 4 * silent)
+            return Change(peer, Kind.CLEARED, p.boot_id, silent_s=silent)
         return None
 
+    def exited(self, peer: str, boot_id: str, how: str = "exited") -> Change | None:
+        """``peer``'s process ``boot_id`` is gone (its pid watch fired): it ``DIED``, unless a
+        successor already answered or it was declared dead before."""
+        p = self.peers[peer]
+        if p.boot_id != boot_id or p.state is State.DEAD:
+            return None
+        p.state = State.DEAD
+        p.retired.add(boot_id)
+        return Change(peer, Kind.DIED, boot_id, f"{peer} died ({how})")
+
     def check(self) -> list[Change]:
-        """Declare dead every peer alive until now but silent for longer than the timeout."""
+        """Make suspect every peer alive until now but silent for longer than the timeout; declare
+        dead a suspect not on this host silent past its long bound."""
         now = trio.current_time()
-        died = []
+        changes = []
         for name, p in self.peers.items():
             silent = now - p.last_seen
             if p.state is State.ALIVE and silent > self.timeout:
+                p.state = State.SUSPECT
+                changes.append(Change(name, Kind.SUSPECT, p.boot_id, silent_s=silent))
+            elif p.state is State.SUSPECT and not p.watched and silent > p.dead_after_s:
                 p.state = State.DEAD
-                reason = f"{name} died (no heartbeat for {silent:.1f}s)"
-                died.append(Change(name, Kind.DIED, p.boot_id, reason))
-        return died
+                reason = f"{name} died (no heartbeat for {silent:.1f}s, not on this host)"
+                changes.append(Change(name, Kind.DIED, p.boot_id, reason, silent))
+        return changes

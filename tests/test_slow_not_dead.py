@@ -1,0 +1,152 @@
+"""Slow is not dead: an actor that is stopped (SIGSTOP), or starved of CPU by a cgroup quota,
+makes its peers suspect it, and nothing is failed or reset; requests finish with the tokens of
+an undisturbed run. A real kill -9 is still detected at once (its process's exit, through a
+pidfd) and resumed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.client import RequestError, open_client
+from tests.runtime import Runtime, kv_stats, start_runtime, wait_until
+
+ACTORS = ["tokenizer", "scheduler", "kv_manager", "executor"]
+PROMPTS = [[5 + i, 6, 7, 8] for i in range(4)]
+CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
+
+
+async def _generate_all(rt: Runtime, max_tokens: int, during=None) -> list:
+    """The PROMPTS at once; ``during(rt)`` runs once the first tokens came (streams in flight).
+    Returns each request's result or RequestError."""
+    outcomes: list = [None] * len(PROMPTS)
+    async with open_client(rt.endpoint) as client:
+
+        async def one(i: int) -> None:
+            try:
+                outcomes[i] = await client.generate(
+                    prompt_ids=PROMPTS[i], max_tokens=max_tokens, ignore_eos=True
+                )
+            except RequestError as e:
+                outcomes[i] = e
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, i)
+            if during is not None:
+                await wait_until(lambda: rt.events("executor.prefill_done"), timeout=30)
+                await during(rt)
+    return outcomes
+
+
+def _suspected_by_all(rt: Runtime, victim: str) -> bool:
+    said = {e["actor"] for e in rt.events("peer.suspect") if e.get("peer") == victim}
+    return said >= {a for a in ACTORS if a != victim}
+
+
+@pytest.mark.deadline(240)
+@pytest.mark.parametrize("victim", ACTORS)
+async def test_an_actor_stopped_for_10s_fails_nothing(victim, tiny_model, tmp_path):
+    """SIGSTOP an actor for 10 s mid-stream, then SIGCONT: every peer logs it suspect, then
+    cleared; no peer.dead, no request fails, the tokens are those of an undisturbed run."""
+    with start_runtime(tiny_model, tmp_path / "rt", "--num-blocks", "256") as rt:
+        reference = await _generate_all(rt, 400)
+
+        async def pause(rt: Runtime) -> None:
+            pid = rt.pid_of(victim)
+            os.kill(pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                await wait_until(lambda: _suspected_by_all(rt, victim), timeout=30)
+                await trio.sleep(max(0.0, 10.0 - (time.monotonic() - stopped_at)))  # the pause
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        outcomes = await _generate_all(rt, 400, during=pause)
+        assert not [o for o in outcomes if isinstance(o, RequestError)], outcomes
+        assert [o.token_ids for o in outcomes] == [r.token_ids for r in reference]
+        await wait_until(
+            lambda: (
+                {e["actor"] for e in rt.events("peer.cleared") if e["peer"] == victim}
+                >= {a for a in ACTORS if a != victim}
+            ),
+            timeout=15,
+        )
+        assert not rt.events("peer.dead"), rt.events("peer.dead")
+        assert not rt.events("request.resumed") and not rt.events("supervisor.child_exited")
+        assert all(e["silent_s"] >= 9.0 for e in rt.events("peer.cleared"))
+
+
+@contextlib.contextmanager
+def cpu_quota(pids: list[int], percent_of_a_core: int) -> Iterator[None]:
+    """Put ``pids`` in a cgroup (v1 cpu controller) limited to ``percent_of_a_core`` % of one
+    core; moved back and removed after."""
+    if not (CPU / "cpu.cfs_quota_us").exists() or not os.access(CPU, os.W_OK):
+        pytest.skip("no writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    group = CPU / f"minirt-test-{os.getpid()}-{time.monotonic_ns()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(1000 * percent_of_a_core))
+        for pid in pids:
+            (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (CPU / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+@pytest.mark.deadline(300)
+async def test_a_runtime_starved_by_a_cpu_quota_fails_nothing(tiny_model, tmp_path):
+    """Every actor in a cgroup with 10% of one core for the whole run (a container's --cpus, a
+    Kubernetes CPU limit): steps and heartbeats stall for whole periods, yet every request
+    completes with the undisturbed tokens, and no peer is declared dead or reset."""
+    with start_runtime(tiny_model, tmp_path / "rt", "--num-blocks", "256") as rt:
+        reference = await _generate_all(rt, 200)
+        with cpu_quota([rt.pid_of(a) for a in ACTORS], 10):
+            outcomes = await _generate_all(rt, 200)
+        assert not [o for o in outcomes if isinstance(o, RequestError)], outcomes
+        assert [o.token_ids for o in outcomes] == [r.token_ids for r in reference]
+        assert not rt.events("peer.dead"), rt.events("peer.dead")
+        assert not rt.events("request.resumed") and not rt.events("supervisor.child_exited")
+
+
+@pytest.mark.slow
+@pytest.mark.deadline(300)
+@pytest.mark.parametrize("victim", ["scheduler", "kv_manager", "executor"])
+async def test_a_kill_during_starvation_is_detected_at_once_and_resumed(
+    victim, tiny_model, tmp_path
+):
+    """kill -9 of an actor while the runtime is starved: its peers know from its exit (not from
+    silence) within seconds, it is restarted, and the requests resume to the same tokens."""
+    with start_runtime(tiny_model, tmp_path / "rt", "--num-blocks", "256") as rt:
+        reference = await _generate_all(rt, 200)
+        killed: dict[str, float] = {}
+
+        async def kill(rt: Runtime) -> None:
+            killed["at"] = time.time()
+            os.kill(rt.pid_of(victim), signal.SIGKILL)
+
+        with cpu_quota([rt.pid_of(a) for a in ACTORS], 20):
+            outcomes = await _generate_all(rt, 200, during=kill)
+        assert not [o for o in outcomes if isinstance(o, RequestError)], outcomes
+        assert [o.token_ids for o in outcomes] == [r.token_ids for r in reference]
+        dead = [e for e in rt.events("peer.dead") if e["peer"] == victim]
+        assert dead and all("exited" in e["reason"] or "restarted" in e["reason"] for e in dead)
+        took = min(float(e["ts"]) for e in dead) - killed["at"]
+        assert took < 5.0, f"the death was noticed {took:.1f}s after the kill"
+
+        async def clean():
+            s = await kv_stats(rt)
+            return s.check_ok and s.in_use == 0
+
+        await wait_until(clean, timeout=30)
