@@ -23,9 +23,10 @@ PROMPTS = [[5 + i, 6, 7, 8] for i in range(4)]
 CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
 
 
-async def _generate_all(rt: Runtime, max_tokens: int, during=None) -> list:
-    """The PROMPTS at once; ``during(rt)`` runs once the first tokens came (streams in flight).
-    Returns each request's result or RequestError."""
+async def _generate_all(rt: Runtime, max_tokens: int, during=None, rounds: int = 2) -> list:
+    """The PROMPTS at once; ``during(rt)`` runs once all are admitted and the first tokens came
+    (streams in flight; ``rounds``: this is the run's Nth batch of PROMPTS). Returns each
+    request's result or RequestError."""
     outcomes: list = [None] * len(PROMPTS)
     async with open_client(rt.endpoint) as client:
 
@@ -40,7 +41,11 @@ async def _generate_all(rt: Runtime, max_tokens: int, during=None) -> list:
         async with trio.open_nursery() as nursery:
             for i in range(len(PROMPTS)):
                 nursery.start_soon(one, i)
-            if during is not None:
+            if during is not None:  # every request admitted (in flight), the first streaming
+                await wait_until(
+                    lambda: len(rt.events("request.admitted")) >= len(PROMPTS) * rounds,
+                    timeout=60,
+                )
                 await wait_until(lambda: rt.events("executor.prefill_done"), timeout=30)
                 await during(rt)
     return outcomes
