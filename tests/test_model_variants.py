@@ -230,16 +230,9 @@ def test_untied_head_without_its_weights_is_refused(tmp_path):
 
 def _config_dir(tmp_path: Path, arch: str, **fields: Any) -> Path:
     """A model directory holding only a tiny ``arch`` config.json with ``fields`` set in it."""
-    cfg = AutoConfig.for_model(
-        arch,
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-    )
+    from gpu.make_model import _sizes
+
+    cfg = AutoConfig.for_model(arch, **_sizes("tiny"))  # the tiny test models' shapes
     cfg.save_pretrained(str(tmp_path))
     raw = json.loads((tmp_path / "config.json").read_text())
     raw.pop("layer_types", None)  # as in Qwen2's own configs: derived from max_window_layers
