@@ -50,10 +50,14 @@ async def test_sigkill_actor_inflight_requests_resume_then_it_recovers(
                 except RequestError as e:
                     outcomes.append((i, e))
 
+            before = len(rt.events("executor.prefill_done"))  # the reference run's
             async with trio.open_nursery() as nursery:
                 for i in range(6):
                     nursery.start_soon(one, i)
-                await wait_until(lambda: rt.events("executor.prefill_done"), timeout=30)
+                # in flight: a prefill of this batch done (not the reference run's)
+                await wait_until(
+                    lambda: len(rt.events("executor.prefill_done")) > before, timeout=30
+                )
                 old_pid = rt.pid_of(victim)
                 killed_at = time.monotonic()
                 os.kill(old_pid, signal.SIGKILL)

@@ -169,18 +169,6 @@ class TokenizerService(ResumingMixin, Actor):
 
     def _on_generate(self, ident: bytes, msg: Generate) -> None:
         rid = msg.request_id or uuid.uuid4().hex
-        if self.down:
-            why = f"{', '.join(sorted(self.down))} down; retry when it is back"
-            self.log.info(
-                "client.rejected",
-                request_id=None,
-                client_request_id=rid,
-                code=ErrorCode.ACTOR_DEAD,
-                field=None,
-                reason=why,
-            )
-            self._refuse(ident, rid, ErrorCode.ACTOR_DEAD, why)
-            return
         internal = self.clients.open(ident, rid, msg.batch)
         if internal is None:
             self._refuse(ident, rid, ErrorCode.INVALID, "request_id: already in use", "request_id")
@@ -244,6 +232,12 @@ class TokenizerService(ResumingMixin, Actor):
             if ended is not None:  # everything was received but the final
                 self._finish(live, ended, None)
                 return
+        if self.down:  # a peer died and is being restarted: the request waits, as a resumed
+            # one does, and is submitted once the runtime serves (or fails after the resume
+            # window, tokenizer_svc/resume.py)
+            resume.pending_since = trio.current_time()
+            self.log.info("client.held", request_id=internal, waiting_for=sorted(self.down))
+            return
         self.send("scheduler", resume.submit(internal, stream.token_ids))
 
     def _refuse(

@@ -77,7 +77,8 @@ class Resume:
     def expired(self, now: float) -> str:
         """Why a pending request fails now (the runtime did not serve again in time), or ""."""
         if self.pending_since is not None and now - self.pending_since > RESUME_TIMEOUT_S:
-            return f"{self.reason}; could not resume within {RESUME_TIMEOUT_S:.0f}s"
+            why = self.reason or "an actor was down"
+            return f"{why}; could not resume within {RESUME_TIMEOUT_S:.0f}s"
         return ""
 
 
