@@ -98,9 +98,9 @@ def hub_snapshot(model_id: str) -> Path:
         )
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as e:
         raise ModelNotFound(
-            f"--model {model_id}: not in the local Hugging Face cache {cache} "
-            f"(revision {revision or 'main'}); minirt downloads nothing at run time: fetch it "
-            f"first (`hf download {repo}`) or give a directory ({type(e).__name__})"
+            f"--model {model_id}: no such directory, and not in the local Hugging Face cache "
+            f"{cache} (revision {revision or 'main'}); minirt downloads nothing at run time: "
+            f"fetch it first (`hf download {repo}`) or give a directory ({type(e).__name__})"
         ) from None
     p = Path(path)
     if not (p / "config.json").exists():
