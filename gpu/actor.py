@@ -85,7 +85,6 @@ class ExecutorActor(RecoveryMixin, Actor):
             dtype=str(self.ex.dtype),
             num_blocks=self.ex.num_blocks,
             block_size=self.ex.block_size,
-            kv_tokens=self.ex.num_blocks * self.ex.block_size,
             kv_bytes=self.ex.kv_bytes,
             max_model_len=self.ex.max_model_len,
             # the C kernel needs a C compiler where the executor runs (the image has one)
