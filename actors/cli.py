@@ -136,6 +136,8 @@ def _up(args: argparse.Namespace) -> int:
         from actors.launch.cluster import up_cluster
 
         return up_cluster(args, _config_args, cfg)
+    if getattr(args, "gpus", None):  # one instance: its cards, as its actors will see them
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     if cfg.replica:  # every actor of this instance labels its events with the replica's name
         os.environ["MINIRT_REPLICA"] = cfg.replica
     try:

@@ -62,6 +62,7 @@ class ExecutorActor(RecoveryMixin, Actor):
             decode_first=x.decode_first,
             threads=x.threads,
             max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=x.gpu_memory_utilization,
         )
         self.flight: dict[str, Flight] = {}
         self.compiling = PendingCompiles(self.ex.structured)

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from actors.kv.reservation import kv_tokens_at_most
-from gpu import cpu_ops, cpu_tuning, loader
+from gpu import cpu_ops, cpu_tuning, loader, memory
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, pool_blocks
 from gpu.logits_processors import LogitsProcessors, apply_processors
+from gpu.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from gpu.model import LlamaFamilyModel
 from gpu.requests import (
     ExecutorInputError,
@@ -67,6 +68,7 @@ class Executor:
         decode_first: bool = True,
         threads: int | None = None,
         max_model_len: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -90,10 +92,12 @@ class Executor:
         # the KV cache and the weights as loaded are in the attention block's dtype (float32
         # for bfloat16 on CPU: see gpu.loader.attention_dtype)
         self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
+        # read on the host and handed over whole: the model fuses each layer's tensors there and
+        # moves the fused ones to the device once (no second copy on the card)
         self.model = LlamaFamilyModel(
             spec,
             loader.load_weights(
-                model_dir, self.kv_dtype, self.device, tied=spec.tie_word_embeddings
+                model_dir, self.kv_dtype, loader.HOST, tied=spec.tie_word_embeddings
             ),
             self.device,
             self.dtype,
@@ -102,16 +106,24 @@ class Executor:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
         self.block_size = block_size
+        per_block = PagedKVCache.bytes_per_block(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.kv_dtype
+        )
         if num_blocks is None:
-            most = max_batch_size * spec.max_model_len
-            num_blocks = pool_blocks(spec, self.kv_dtype, self.device, block_size, kv_memory, most)
+            num_blocks = self._size_pool(spec, per_block, kv_memory, gpu_memory_utilization)
+        memory.check_fits(
+            num_blocks * per_block,
+            spec,
+            self.kv_dtype,
+            self.device,
+            step_tokens=step_budget,
+            batch_rows=max_batch_size,
+        )
         self.num_blocks = num_blocks
         self.max_model_len = min(
             max_model_len or spec.max_model_len, spec.max_model_len, num_blocks * block_size
         )
-        self.kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.kv_dtype
-        )
+        self.kv_bytes = num_blocks * per_block
         self.cache = PagedKVCache(
             spec.num_layers,
             spec.num_kv_heads,
@@ -127,6 +139,32 @@ class Executor:
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, self.eos_token_ids, self.device
         )
+
+    def _size_pool(self, spec, per_block: int, kv_memory, utilization: float) -> int:
+        """The pool in blocks when none was given: on cuda from the card as it is now, with the
+        weights loaded (gpu.memory.cuda_kv_bytes), elsewhere by gpu.kv_cache.pool_blocks; at
+        most what ``max_batch_size`` requests of the model's context can use."""
+        most = -(-self.budget.max_batch_size * spec.max_model_len // self.block_size)
+        if self.device.type != "cuda" or kv_memory is not None:
+            return pool_blocks(
+                spec, self.kv_dtype, self.device, self.block_size, kv_memory, most * self.block_size
+            )
+        torch.cuda.empty_cache()
+        free, total = memory.device_memory(self.device)
+        nbytes = memory.cuda_kv_bytes(
+            free=free,
+            total=total,
+            used_by_us=torch.cuda.memory_reserved(self.device),
+            weights_to_load=0,
+            activations=memory.activation_bytes(
+                spec, self.kv_dtype, self.budget.step_budget, self.budget.max_batch_size
+            ),
+            utilization=utilization,
+            num_layers=spec.num_layers,
+        )
+        if nbytes < per_block:
+            raise ValueError(f"no room for a KV pool on {self.device} once the weights are loaded")
+        return min(nbytes // per_block, most)
 
     # ---- request management -------------------------------------------------------------
 

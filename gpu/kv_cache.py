@@ -15,38 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpu.memory import DEFAULT_GPU_MEMORY_UTILIZATION, default_kv_bytes, device_memory
+
 if TYPE_CHECKING:
     import torch
 
     from actors.runtime.config import RuntimeConfig
     from gpu.loader import ModelSpec
-
-# With no --kv-memory/--num-blocks, the pool takes this fraction of the memory left once the
-# weights are loaded: on cpu a fifth (SmolLM2-135M on a 23 GiB machine: ~4.2 GiB, 91k tokens of
-# its 46 KiB/token fp32 KV, room for 64 requests of 1,400 tokens; the rest stays with the OS,
-# the other actors, a second replica or a test run's processes); on cuda 80% of free memory.
-DEFAULT_KV_FRACTION = {"cpu": 0.2, "cuda": 0.8}
-# The executor's resident bytes per weight byte as loaded (float32 on cpu): oneDNN's packed copy,
-# the decode-row copy in 12-row blocks (gpu/linear.py) and the embedding; measured with
-# SmolLM2-135M in float32: 540 MB of weights, RSS +2.04 GB (3.8x).
-WEIGHT_COPIES = {"cpu": 4.0, "cuda": 1.0}
-
-
-def available_memory(device: torch.device) -> int:
-    """Free bytes on ``device``: cuda free memory, or MemAvailable from /proc/meminfo on cpu."""
-    if device.type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 class PagedKVCache:
@@ -110,7 +85,7 @@ class PagedKVCache:
     def blocks_for_budget(budget: int | float, per_block: int, device: torch.device) -> int:
         """Blocks that fit in ``budget``: bytes if an int (or a float > 1), else a fraction of free memory."""
         if isinstance(budget, float) and 0.0 < budget <= 1.0:
-            nbytes = int(available_memory(device) * budget)
+            nbytes = int(device_memory(device)[0] * budget)
         else:
             nbytes = int(budget)
         if nbytes < per_block:
@@ -126,25 +101,6 @@ class PagedKVCache:
                 cache.index_copy_(1, slots, x.transpose(0, 1))
 
 
-def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """Bytes of ``spec``'s parameters in ``dtype`` (norms left out)."""
-    import torch
-
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size
-    heads = 1 if spec.tie_word_embeddings else 2
-    params = spec.num_layers * per_layer + heads * spec.vocab_size * h
-    return params * torch.empty((), dtype=dtype).element_size()
-
-
-def default_kv_bytes(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> int:
-    """The default KV budget: ``DEFAULT_KV_FRACTION`` of the memory available once the weights
-    are loaded (free memory now, less the executor's expected weight footprint)."""
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    after = available_memory(device) - int(weight_bytes(spec, dtype) * WEIGHT_COPIES[kind])
-    return max(0, int(after * DEFAULT_KV_FRACTION[kind]))
-
-
 def pool_blocks(
     spec: ModelSpec,
     dtype: torch.dtype,
@@ -152,18 +108,30 @@ def pool_blocks(
     block_size: int,
     kv_memory: int | float | None = None,
     max_tokens: int | None = None,
+    *,
+    utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    step_tokens: int = 8192,
+    batch_rows: int = 256,
 ) -> int:
     """Blocks of ``block_size`` tokens for ``spec``'s KV within ``kv_memory`` (bytes if an int or a
-    float > 1, else a fraction of free device memory); None means :func:`default_kv_bytes`, at
-    most ``max_tokens`` (what the batch can ever use: more would be memory never touched)."""
+    float > 1, else a fraction of free device memory); None means the default of
+    :func:`gpu.memory.default_kv_bytes` (``utilization`` of the card on cuda, for steps of
+    ``step_tokens`` tokens sampling ``batch_rows`` rows), at most ``max_tokens`` (what the batch
+    can ever use: more would be memory never touched)."""
     per_block = PagedKVCache.bytes_per_block(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype
     )
     if kv_memory is not None:
         return PagedKVCache.blocks_for_budget(kv_memory, per_block, device)
-    blocks = PagedKVCache.blocks_for_budget(
-        max(default_kv_bytes(spec, dtype, device), per_block), per_block, device
+    nbytes = default_kv_bytes(
+        spec,
+        dtype,
+        device,
+        utilization=utilization,
+        step_tokens=step_tokens,
+        batch_rows=batch_rows,
     )
+    blocks = PagedKVCache.blocks_for_budget(max(nbytes, per_block), per_block, device)
     if max_tokens:
         blocks = min(blocks, -(-max_tokens // block_size))
     return blocks
@@ -181,7 +149,18 @@ def resolve_num_blocks(cfg: RuntimeConfig) -> int:
     dtype = loader.attention_dtype(loader.resolve_dtype(cfg.executor.dtype, device), device)
     spec = loader.load_spec(cfg.model)
     most = cfg.scheduler.max_batch_size * spec.max_model_len
-    return pool_blocks(spec, dtype, device, cfg.kv.block_size, cfg.kv.kv_memory, most)
+    ex = cfg.executor
+    return pool_blocks(
+        spec,
+        dtype,
+        device,
+        cfg.kv.block_size,
+        cfg.kv.kv_memory,
+        most,
+        utilization=ex.gpu_memory_utilization,
+        step_tokens=ex.step_budget,
+        batch_rows=cfg.scheduler.max_batch_size,
+    )
 
 
 def resolve_max_model_len(cfg: RuntimeConfig) -> int:

@@ -45,6 +45,10 @@ class ModelSpec:
     hf_config: Any
 
 
+# Where weights are read to: the host, whatever the executor's device (gpu.model moves them).
+HOST = torch.device("cpu")
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``device`` as given, else cuda when available, else cpu."""
     if device is None:

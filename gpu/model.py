@@ -96,23 +96,31 @@ class _Layer:
         def pack(dt: torch.dtype) -> bool:
             return packing_enabled(device, dt)
 
+        def take(name: str, dt: torch.dtype | None = None) -> torch.Tensor:
+            return w.pop(name).to(device=device, dtype=dt)
+
+        def fused(names: list[str], dt: torch.dtype | None = None) -> torch.Tensor:
+            # joined where the tensors are (the host), then moved once; the parts are dropped
+            return torch.cat([w.pop(n) for n in names]).to(device=device, dtype=dt)
+
         a = p + "self_attn."
-        self.ln_in = w[p + "input_layernorm.weight"].to(norm_dt)
-        self.ln_post = w[p + "post_attention_layernorm.weight"].to(norm_dt)
-        biases = [w.get(a + n + "_proj.bias") for n in "qkv"]
-        qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
-        qkv = torch.cat([w[a + n + "_proj.weight"] for n in "qkv"])
+        self.ln_in = take(p + "input_layernorm.weight", norm_dt)
+        self.ln_post = take(p + "post_attention_layernorm.weight", norm_dt)
+        bias_names = [a + n + "_proj.bias" for n in "qkv"]
+        qkv_b = fused(bias_names) if all(n in w for n in bias_names) else None
+        qkv = fused([a + n + "_proj.weight" for n in "qkv"])
         self.qkv = Linear(qkv, qkv_b, pack(qkv.dtype), plain)
-        o = w[a + "o_proj.weight"]
-        self.o = Linear(o, w.get(a + "o_proj.bias"), pack(o.dtype), plain)
-        self.q_norm = w.get(a + "q_norm.weight")
-        self.k_norm = w.get(a + "k_norm.weight")
+        o = take(a + "o_proj.weight")
+        o_b = take(a + "o_proj.bias") if a + "o_proj.bias" in w else None
+        self.o = Linear(o, o_b, pack(o.dtype), plain)
+        self.q_norm = take(a + "q_norm.weight") if a + "q_norm.weight" in w else None
+        self.k_norm = take(a + "k_norm.weight") if a + "k_norm.weight" in w else None
         m = p + "mlp."
         if any(m + n + "_proj.bias" in w for n in ("gate", "up", "down")):
             raise ValueError("MLP biases are not supported")
-        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).to(mlp_dt)
+        gate_up = fused([m + "gate_proj.weight", m + "up_proj.weight"], mlp_dt)
         self.gate_up = Linear(gate_up, None, pack(mlp_dt), plain)
-        self.down = Linear(w[m + "down_proj.weight"].to(mlp_dt), None, pack(mlp_dt), plain)
+        self.down = Linear(take(m + "down_proj.weight", mlp_dt), None, pack(mlp_dt), plain)
 
 
 class LlamaFamilyModel:
@@ -127,9 +135,11 @@ class LlamaFamilyModel:
     ):
         """``weights`` as :func:`gpu.loader.load_weights` gave them, in
         :func:`gpu.loader.attention_dtype` of ``dtype`` (the model's dtype; default: the
-        weights')."""
+        weights'), on any device: each is moved to ``device`` as its layer is built, fused
+        ones after fusing, and taken out of ``weights`` (consumed), so at most one layer's
+        tensors exist twice at a time."""
         self.spec = spec
-        self.embed = weights["model.embed_tokens.weight"]
+        self.embed = weights.pop("model.embed_tokens.weight").to(device)
         dtype = dtype or self.embed.dtype
         # the attention block runs in the weights' dtype (float32 for bfloat16 on CPU, see
         # gpu.loader.attention_dtype), the MLP in ``dtype``
@@ -139,14 +149,14 @@ class LlamaFamilyModel:
         # (docs/benchmarks/cpu-levers.md)
         self.mixed = dtype == torch.bfloat16
         norm_dt = torch.float32 if self.mixed else dtype
-        self.norm = weights["model.norm.weight"].to(norm_dt)
-        head = weights.get("lm_head.weight")
+        self.norm = weights.pop("model.norm.weight").to(device=device, dtype=norm_dt)
+        head = weights.pop("lm_head.weight", None)
         if spec.tie_word_embeddings:
             head = self.embed  # transformers ties the head to the embedding, whatever is stored
         elif head is None:
             # transformers would start such a head from random weights
             raise ValueError("tie_word_embeddings is false but the weights hold no lm_head.weight")
-        head = head.to(norm_dt)  # the embedding itself where it already is float32
+        head = head.to(device=device, dtype=norm_dt)  # the embedding itself where it already is
         # tied: the embedding keeps the plain weight resident anyway, so lone decodes use it
         self.lm_head = Linear(
             head, None, packing_enabled(device, head.dtype), keep_plain=head is self.embed
@@ -257,6 +267,7 @@ class LlamaFamilyModel:
             x = x.float()  # the residual stream
         lo = self.mlp_dtype
         rot = Rotary(self.cos, self.sin_signed, positions)
+        tile = TILE_ROWS if x.device.type == "cpu" else max(t, 1)
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln_in, eps).to(self.attn_dtype)
             qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
@@ -268,12 +279,13 @@ class LlamaFamilyModel:
                 q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), rot)
                 k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), rot)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
-            # Row tiles of TILE_ROWS from here to the layer's end: the linears tile there anyway
-            # (same kernels, same rounding), so the outputs add into x in place instead of being
-            # concatenated, and each tile's [rows, 2 * ffn] intermediate stays in cache.
-            for r in range(0, t, TILE_ROWS):
-                xs = x[r : r + TILE_ROWS]  # a view: the adds below write into x
-                xs += ly.o(attn[r : r + TILE_ROWS])
+            # Row tiles from here to the layer's end, on CPU of TILE_ROWS: the linears tile there
+            # anyway (same kernels, same rounding), so the outputs add into x in place instead
+            # of being concatenated, and each tile's [rows, 2 * ffn] intermediate stays in
+            # cache. On a GPU one tile: smaller GEMMs would only leave its SMs idle.
+            for r in range(0, t, tile):
+                xs = x[r : r + tile]  # a view: the adds below write into x
+                xs += ly.o(attn[r : r + tile])
                 xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
         h = rms_norm(x[logit_rows], self.norm, eps)
         return self.lm_head(h).float()

@@ -297,8 +297,8 @@ def test_pool_size_has_one_default(tiny_model, monkeypatch):
     fifth of the memory left after the weights (their expected footprint, WEIGHT_COPIES times
     their bytes), at most what max_batch_size requests of the model's context can use."""
     from actors.runtime.config import RuntimeConfig
-    from gpu import kv_cache
-    from gpu.kv_cache import resolve_max_model_len, resolve_num_blocks, weight_bytes
+    from gpu import memory
+    from gpu.kv_cache import resolve_max_model_len, resolve_num_blocks
     from gpu.loader import load_spec
 
     cfg = RuntimeConfig(model=str(tiny_model))
@@ -308,8 +308,8 @@ def test_pool_size_has_one_default(tiny_model, monkeypatch):
     assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
     # 64 MiB available: a fifth of what is left once the weights' footprint is taken
     spec = load_spec(tiny_model)
-    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 64 << 20)
-    left = (64 << 20) - int(weight_bytes(spec, torch.float32) * kv_cache.WEIGHT_COPIES["cpu"])
+    monkeypatch.setattr(memory, "device_memory", lambda device: (64 << 20, 64 << 20))
+    left = (64 << 20) - int(memory.weight_bytes(spec, torch.float32) * memory.WEIGHT_COPIES["cpu"])
     assert resolve_num_blocks(cfg) == int(left * 0.2) // per_block
     assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
     cfg.kv.kv_memory = float(1 << 20)

@@ -55,7 +55,7 @@ class Reference:
 
 
 def reference(
-    model_dir: Path, prompts: list[list[int]], new_tokens: int, batch: int = 1
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, batch: int = 1, device: str = "cpu"
 ) -> Reference:
     """transformers float32: its greedy continuation of each prompt (``batch`` prompts per
     ``generate``, left padded), then each prompt plus continuation scored alone, unpadded, in one
@@ -63,14 +63,17 @@ def reference(
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = hf.to(device)
     pad = 0
     gens: list[list[int]] = []
     with torch.inference_mode():
         for k in range(0, len(prompts), max(batch, 1)):
             group = prompts[k : k + max(batch, 1)]
             width = max(len(p) for p in group)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in group], device=device
+            )
             gen = hf.generate(
                 ids,
                 attention_mask=mask,
@@ -83,9 +86,26 @@ def reference(
             gens += gen[:, width:].tolist()
         out = []
         for p, g in zip(prompts, gens, strict=True):
-            logits = hf(torch.tensor([p + g[:-1]])).logits[0, len(p) - 1 :].double()
-            out.append(torch.log_softmax(logits, -1))
+            logits = hf(torch.tensor([p + g[:-1]], device=device)).logits[0, len(p) - 1 :]
+            out.append(torch.log_softmax(logits.double(), -1).cpu())
     return Reference(out, gens)
+
+
+def hf_teacher_forced(
+    model_dir: Path, prompts: list[list[int]], forced: list[list[int]], dtype: str, device: str
+) -> list[torch.Tensor]:
+    """transformers itself in ``dtype`` on the same positions: the yardstick for a dtype's
+    drift (what any engine in that dtype can be expected to keep)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    hf = hf.eval().to(device)
+    out = []
+    with torch.inference_mode():
+        for p, f in zip(prompts, forced, strict=True):
+            logits = hf(torch.tensor([p + f[:-1]], device=device)).logits[0, len(p) - 1 :]
+            out.append(torch.log_softmax(logits.double(), -1).cpu())
+    return out
 
 
 def _window(text: str, rng: random.Random, want: int, tok: Any) -> list[int] | None:
@@ -132,7 +152,12 @@ def real_text_prompts(
 
 
 def ours_teacher_forced(
-    model_dir: Path, prompts: list[list[int]], forced: list[list[int]], dtype: str, threads: int
+    model_dir: Path,
+    prompts: list[list[int]],
+    forced: list[list[int]],
+    dtype: str,
+    threads: int,
+    device: str | None = None,
 ) -> list[torch.Tensor]:
     """Per prompt: our log-probs ``[len(forced), vocab]``, prefilling the prompt then decoding the
     forced tokens (all requests batched in each decode step)."""
@@ -140,7 +165,14 @@ def ours_teacher_forced(
 
     bs = 16
     blocks = sum(-(-(len(p) + len(f)) // bs) for p, f in zip(prompts, forced, strict=True))
-    ex = Executor(model_dir, dtype=dtype, num_blocks=blocks + 1, block_size=bs, threads=threads)
+    ex = Executor(
+        model_dir,
+        dtype=dtype,
+        num_blocks=blocks + 1,
+        block_size=bs,
+        threads=threads,
+        device=device,
+    )
     from gpu.attention import build_metadata
 
     tables, nxt = [], 0
@@ -151,10 +183,15 @@ def ours_teacher_forced(
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
 
     def forward(ids: list[int], pos: list[int], meta, logit_rows: list[int]) -> torch.Tensor:
+        dev = ex.device
         lg = ex.model.forward(
-            torch.tensor(ids), torch.tensor(pos), meta, ex.cache, torch.tensor(logit_rows)
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            meta,
+            ex.cache,
+            torch.tensor(logit_rows, device=dev),
         )
-        return torch.log_softmax(lg.double(), -1)
+        return torch.log_softmax(lg.double(), -1).cpu()
 
     for i, p in enumerate(prompts):  # prefill, one request per forward
         meta = build_metadata([], [(tables[i], 0, len(p))], ex.cache, ex.kv_dtype, ex.device)
@@ -194,9 +231,14 @@ def compare(
 
 
 def compare_ref(
-    model_dir: Path, prompts: list[list[int]], ref: Reference, dtype: str, threads: int
+    model_dir: Path,
+    prompts: list[list[int]],
+    ref: Reference,
+    dtype: str,
+    threads: int,
+    device: str | None = None,
 ) -> Agreement:
-    ours = ours_teacher_forced(model_dir, prompts, ref.tokens, dtype, threads)
+    ours = ours_teacher_forced(model_dir, prompts, ref.tokens, dtype, threads, device)
     return agreement(ref.logprobs, ours)
 
 
@@ -238,6 +280,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="both sides on this device (cpu, cuda)")
+    p.add_argument(
+        "--hf-row",
+        action="store_true",
+        help="also judge transformers itself in --dtype on the same positions (the yardstick)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--skip-vllm", action="store_true", help="skip vLLM's row")
     p.add_argument(
@@ -260,11 +308,12 @@ def main(argv: list[str]) -> int:
         prompts, sources = real_text_prompts(a.model, a.requests, lo, hi, a.seed)
     else:
         prompts = workload(a.requests, lo, hi, spec.vocab_size, a.seed)  # W1's prompts
-    ref = reference(a.model, prompts, a.new_tokens, a.batch)
-    res = compare_ref(a.model, prompts, ref, a.dtype, a.threads)
+    ref = reference(a.model, prompts, a.new_tokens, a.batch, a.device)
+    res = compare_ref(a.model, prompts, ref, a.dtype, a.threads, a.device)
     out: dict[str, object] = {
         "model": str(a.model),
         "dtype": a.dtype,
+        "device": a.device,
         "requests": a.requests,
         "prompts": "real text" if a.real_text else "W1 (random token ids)",
         "prompt_tokens": sum(len(x) for x in prompts),
@@ -283,6 +332,19 @@ def main(argv: list[str]) -> int:
         f"equal {100 * res.top1_rate:.2f}%, mean |logprob diff| {res.mean_abs_logprob_diff:.4f} "
         f"(max {res.max_abs_logprob_diff:.3f})"
     )
+    if a.hf_row:
+        h = agreement(
+            ref.logprobs, hf_teacher_forced(a.model, prompts, ref.tokens, a.dtype, a.device)
+        )
+        out.update(
+            hf_top1_equal_rate=h.top1_rate,
+            hf_mean_abs_logprob_diff=h.mean_abs_logprob_diff,
+            hf_max_abs_logprob_diff=h.max_abs_logprob_diff,
+        )
+        print(
+            f"transformers {a.dtype}, same positions: top-1 equal {100 * h.top1_rate:.2f}%, mean "
+            f"|logprob diff| {h.mean_abs_logprob_diff:.4f} (max {h.max_abs_logprob_diff:.3f})"
+        )
     if not a.skip_vllm:
         v = vllm_agreement(a.model, prompts, ref, a.dtype)
         if isinstance(v, str):

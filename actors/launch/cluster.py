@@ -222,7 +222,7 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
     setup, ``cfg`` the config they give), then run until Ctrl-C."""
     import shlex
 
-    from actors.launch.replicas import passthrough_flags, plan
+    from actors.launch.replicas import passthrough_flags, plan, visible_gpus
     from actors.launch.router import RouterMissing
     from actors.runtime.events import configure
     from actors.runtime.security import is_local
@@ -260,6 +260,8 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
             flags=flags,
             router_flags=shlex.split(args.router_flags),
             replica_metrics_port=cfg.scheduler.metrics_port,
+            gpus=visible_gpus(cfg.executor.device, args.gpus),
+            gpu_memory_utilization=cfg.executor.gpu_memory_utilization,
         )
         find_router()
     except (ValueError, RouterMissing) as e:

@@ -18,7 +18,7 @@ from actors.launch.router import POLICIES, RouterSpec
 CLUSTER_FLAGS = frozenset(
     {"--replica", "--run-dir", "--http-port", "--http-host", "--metrics-port"}
     | {"--replicas", "--replica-base-port", "--router-policy", "--router-metrics-port"}
-    | {"--router-flags"}
+    | {"--router-flags", "--gpus", "--gpu-memory-utilization"}
 )
 PER_INSTANCE_ENDPOINTS = frozenset(
     f"--{n}-endpoint"
@@ -35,6 +35,8 @@ class ReplicaSpec:
     http_host: str = "127.0.0.1"
     metrics_port: int | None = None  # the scheduler's Prometheus port, when the user set one
     pin: bool = False  # pinned to ``cpus`` (only with 2+ CPUs each: see ``plan``)
+    gpu: str | None = None  # its card (CUDA_VISIBLE_DEVICES); None: the host's as they are
+    gpu_memory_utilization: float | None = None  # its share of that card, when it has one
 
     @property
     def url(self) -> str:
@@ -47,6 +49,8 @@ class ReplicaSpec:
             cmd += ["--threads", str(len(self.cpus))]
         if self.metrics_port is not None:
             cmd += ["--metrics-port", str(self.metrics_port)]
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.4g}"]
         return cmd + [
             "--replica",
             self.name,
@@ -62,6 +66,8 @@ class ReplicaSpec:
         env = dict(os.environ if base is None else base)
         env["PYTHONUNBUFFERED"] = "1"
         env["MINIRT_REPLICA"] = self.name  # every process of the replica labels its events
+        if self.gpu is not None:  # its card is cuda:0 inside the replica
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
         return env
 
 
@@ -98,6 +104,36 @@ def split_cpus(cpus: Sequence[int], n: int) -> list[tuple[int, ...]]:
     return out
 
 
+def assign_gpus(
+    n: int, gpus: Sequence[str], utilization: float
+) -> list[tuple[str | None, float | None]]:
+    """Each of ``n`` replicas' card and share of it: replica I on ``gpus[I % len(gpus)]``, the
+    ``utilization`` of a card split evenly among the replicas on it (two on one card: half each,
+    so neither sizes its KV pool for the whole card). No cards: ``(None, None)`` each."""
+    if not gpus:
+        return [(None, None)] * n
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    cards = [gpus[i % len(gpus)] for i in range(n)]
+    return [(c, utilization / cards.count(c)) for c in cards]
+
+
+def visible_gpus(device: str | None, given: str | None = None) -> list[str]:
+    """The cards replicas are spread over: ``--gpus`` as given (comma-separated indices or
+    UUIDs), else none when the device is cpu, else CUDA_VISIBLE_DEVICES's entries, else every
+    card torch sees (none without CUDA)."""
+    if given:
+        return [g.strip() for g in given.split(",") if g.strip()]
+    if device is not None and not device.startswith("cuda"):
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
 def plan(
     n: int,
     run_dir: str | Path,
@@ -112,10 +148,13 @@ def plan(
     router_flags: Sequence[str] = (),
     cpus: Sequence[int] | None = None,
     replica_metrics_port: int | None = None,
+    gpus: Sequence[str] = (),
+    gpu_memory_utilization: float = 0.9,
 ) -> ClusterSpec:
     """The cluster for ``minirt up --replicas n``: replica I on 127.0.0.1:(base_port + I)
     (default: just above the router's port), the router on ``http_host:http_port``. A
-    ``replica_metrics_port`` (``--metrics-port``) becomes one port per replica, counting up."""
+    ``replica_metrics_port`` (``--metrics-port``) becomes one port per replica, counting up.
+    With ``gpus``, one card per replica, round-robin (:func:`assign_gpus`)."""
     run = Path(run_dir).absolute()
     base = http_port + 1 if base_port is None else base_port
     ports = [base + i for i in range(n)]
@@ -125,6 +164,7 @@ def plan(
             f"its metrics port {metrics_port}; pick --replica-base-port or --router-metrics-port"
         )
     sets = split_cpus(sorted(os.sched_getaffinity(0)) if cpus is None else cpus, n)
+    cards = assign_gpus(n, gpus, gpu_memory_utilization)
     replicas = [
         ReplicaSpec(
             f"replica-{i}",
@@ -133,6 +173,8 @@ def plan(
             sets[i],
             metrics_port=None if replica_metrics_port is None else replica_metrics_port + i,
             pin=all(len(c) >= PIN_MIN_CPUS for c in sets),
+            gpu=cards[i][0],
+            gpu_memory_utilization=cards[i][1],
         )
         for i in range(n)
     ]
@@ -198,6 +240,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "takes --http-host/--http-port, replica I serves on 127.0.0.1:(--replica-base-port + I)",
     )
     g.add_argument("--replica-base-port", type=int, metavar="N", help="default: HTTP port + 1")
+    g.add_argument(
+        "--gpus",
+        metavar="LIST",
+        help="cards for the replicas, comma-separated (replica I gets card I mod len, as its "
+        "CUDA_VISIBLE_DEVICES; replicas sharing a card split --gpu-memory-utilization); default: "
+        "every visible card unless --device cpu",
+    )
     g.add_argument("--router-policy", choices=POLICIES, default="cache_aware")
     g.add_argument(
         "--router-metrics-port",

@@ -127,6 +127,13 @@ class ExecutorConfig:
         metadata=doc("weights and activations", choices=("float32", "bfloat16", "float16")),
     )
     device: str | None = field(default=None, metadata=doc("torch device (cpu, cuda, cuda:1...)"))
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=doc(
+            "cuda: the share of the card's total memory this instance uses (weights, "
+            "activations, KV), as vLLM's flag; replicas sharing a card split it"
+        ),
+    )
     threads: int | None = field(default=None, metadata=doc("torch threads (default: all cores)"))
     burst_wait_ms: float = field(
         default=100.0,
