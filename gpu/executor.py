@@ -86,6 +86,11 @@ class Executor:
         self.device = loader.resolve_device(device)
         if self.device.type == "cpu":
             cpu_tuning.tune_malloc()
+        else:
+            # cuDNN's SDPA builds an execution plan per new shape on the host: with prefill
+            # chunks of every length it took 91% of a run's time on an H200 (7.3 ms of CPU per
+            # call for 6 us of GPU work; docs/benchmarks/cuda). Flash/memory-efficient have none.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec

@@ -66,6 +66,8 @@ def greedy_against_transformers(model_dir, prompts: list[list[int]], new_tokens:
         assert gap < NEAR_TIE, f"request {i} diverged at output {j} (gap {gap:.3g}): {ours} {ref}"
         ties += 1
     assert len(drv.free) == ex.num_blocks  # every block came back
+    if DEVICE.startswith("cuda"):  # its per-shape plans cost 7.3 ms a call (gpu/executor.py)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
     return {"requests": len(prompts), "equal": equal, "near_ties": ties}
 
 

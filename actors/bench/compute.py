@@ -52,5 +52,8 @@ def workload_flops(spec, prompts: list[list[int]], new_tokens: int) -> float:
 
 def write_profile(prof, path: Path, title: str) -> None:
     """torch.profiler's op table (self CPU time, top 30) of a whole run, as a text file."""
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    avg = prof.key_averages()
+    table = avg.table(sort_by="self_cpu_time_total", row_limit=30)
+    if any(getattr(e, "self_device_time_total", 0) for e in avg):  # the GPU's side too
+        table += "\n\n" + avg.table(sort_by="self_device_time_total", row_limit=30)
     path.write_text(f"{title}\n\n{table}\n")

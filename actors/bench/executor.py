@@ -249,7 +249,10 @@ def main(argv: list[str]) -> int:
     if a.profile is not None:
         from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU])
+        acts = [ProfilerActivity.CPU]
+        if ex.device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
+        prof = profile(activities=acts)
         prof.__enter__()
     ours_s, ours_out, stats = run_ours(ex, prompts, a.new_tokens)
     if prof is not None:
