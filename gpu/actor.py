@@ -70,6 +70,7 @@ class ExecutorActor(RecoveryMixin, Actor):
         self.mailbox: deque[Any] = deque()
         self.wake = trio.Event()
         self.steps = 0
+        self.step_started: float | None = None
         self._init_recovery()
         # where a step runs: trio's worker thread, or the main thread (gpu/main_thread.py,
         # set by the runner)
@@ -103,6 +104,11 @@ class ExecutorActor(RecoveryMixin, Actor):
         self.nursery = nursery
         nursery.start_soon(super().main_loop)
 
+    def busy_s(self) -> float:
+        """The step in flight so far (peers allow a silence of some multiple of it)."""
+        started = self.step_started
+        return 0.0 if started is None else time.perf_counter() - started
+
     async def main_loop(self) -> None:
         step = self._step_fn()
         while True:
@@ -119,8 +125,11 @@ class ExecutorActor(RecoveryMixin, Actor):
                 self.wake = trio.Event()
                 await self.wake.wait()
                 continue
-            t1 = time.perf_counter()
-            result = await self.run_step(step)
+            t1 = self.step_started = time.perf_counter()
+            try:
+                result = await self.run_step(step)
+            finally:
+                self.step_started = None
             t2 = time.perf_counter()
             self._publish(result)
             t3 = time.perf_counter()

@@ -69,6 +69,7 @@ class Pong(Msg, tag="pong"):
     boot_id: str = ""  # changes when the actor restarts
     ready: bool = True  # false while the actor settles after a (re)start
     host: str = ""  # actors.runtime.liveness.host_id(): a peer with the same one watches its pid
+    busy_ms: float = 0.0  # the longest it recently could not answer: event-loop lag, a step
 
 
 class ErrorReply(Msg, tag="error"):

@@ -16,7 +16,7 @@ import trio.testing
 from actors.client import RequestError, ServerWatch
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
-from actors.runtime.liveness import Kind, Liveness, State
+from actors.runtime.liveness import Kind, Liveness, LoopLag, State
 from messages.client import Welcome
 from messages.common import ErrorCode, ErrorReply, Hello, Ping, Pong
 
@@ -89,6 +89,41 @@ async def test_a_silent_peer_not_on_this_host_dies_past_the_long_bound_which_ada
     assert live.check() == []  # declared once, not at every heartbeat
     back = live.pong("kv", "b1")  # the same process after all
     assert back is not None and back.kind is Kind.BACK and live.down == frozenset()
+
+
+async def test_the_long_bound_grows_with_the_busy_time_a_peer_reports(mock_clock):
+    """A peer not on this host that reports its loop lagging 20 s (``Pong.busy_ms``) is given
+    10x that, 200 s, before its silence counts as death, not the default 60 s."""
+    live = Liveness(["kv"], heartbeat_s=HB, dead_after_s=60.0)
+    live.pong("kv", "b1", busy_s=20.0)
+    live.watch("kv", "b1", ok=False)
+    mock_clock.jump(150.0)
+    assert kinds(live.check()) == [("kv", Kind.SUSPECT)]  # 150 s: past 60, not past 200
+    mock_clock.jump(49.0)
+    assert live.check() == []
+    mock_clock.jump(1.5)
+    [died] = live.check()
+    assert died.kind is Kind.DIED
+
+
+def test_loop_lag_summarises_each_window_and_remembers_the_worst():
+    lag = LoopLag(window_s=10.0)
+    assert lag.recent_s == 0.0
+    for i in range(19):  # 0.5 s heartbeats: lags of 1 ms, one of 2.5 s
+        assert lag.add(2.5 if i == 7 else 0.001, now=0.5 * i) is None
+    assert lag.recent_s == 2.5
+    window = lag.add(-0.002, now=10.0)  # an early wake counts as no lag
+    assert window == {
+        "window_s": 10.0,
+        "samples": 20,
+        "p50_ms": 1.0,
+        "p99_ms": 2500.0,
+        "max_ms": 2500.0,
+    }
+    assert lag.recent_s == 2.5  # the last window's worst, until a new window ends
+    for i in range(20):
+        lag.add(0.001, now=10.5 + 0.5 * i)
+    assert lag.recent_s == pytest.approx(0.001)
 
 
 async def test_a_peer_that_never_answered_is_never_declared_dead(mock_clock):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,6 +125,71 @@ async def test_a_runtime_starved_by_a_cpu_quota_fails_nothing(tiny_model, tmp_pa
         assert [o.token_ids for o in outcomes] == [r.token_ids for r in reference]
         assert not rt.events("peer.dead"), rt.events("peer.dead")
         assert not rt.events("request.resumed") and not rt.events("supervisor.child_exited")
+
+
+def _group(name: str, shares: int) -> Path:
+    if not (CPU / "cpu.shares").exists() or not os.access(CPU, os.W_OK):
+        pytest.skip("no writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    group = CPU / f"minirt-test-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    group.mkdir()
+    (group / "cpu.shares").write_text(str(shares))
+    return group
+
+
+def _release(group: Path) -> None:
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            (CPU / "cgroup.procs").write_text(pid)
+    with contextlib.suppress(OSError):
+        group.rmdir()
+
+
+SPIN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass"
+
+
+@contextlib.contextmanager
+def noisy_neighbours(pids: list[int], seconds: float) -> Iterator[None]:
+    """A noisy neighbour: twice as many busy loops as cores, for ``seconds``, in a cgroup of the
+    highest CPU weight (cpu.shares 262144), while ``pids`` sit in one of the lowest (2): they get
+    about one cycle in 100,000, so every actor and the supervisor stall for the whole time (as
+    on a host whose other tenants take the cores)."""
+    low, high = _group("low", 2), _group("high", 262144)
+    spinners: list[subprocess.Popen] = []
+    try:
+        for pid in pids:
+            (low / "cgroup.procs").write_text(str(pid))
+        for _ in range(2 * (os.cpu_count() or 1)):
+            p = subprocess.Popen([sys.executable, "-c", SPIN, str(seconds)])
+            spinners.append(p)
+            (high / "cgroup.procs").write_text(str(p.pid))
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+        _release(high)
+        _release(low)
+
+
+@pytest.mark.deadline(300)
+async def test_a_runtime_starved_by_noisy_neighbours_fails_nothing(tiny_model, tmp_path):
+    """Busy loops (twice the cores) take nearly every cycle for 8 s while requests stream: every
+    actor and the supervisor stall together, heartbeats stop; every request completes with the
+    undisturbed tokens, no peer is declared dead, nothing is reset."""
+    with start_runtime(tiny_model, tmp_path / "rt", "--num-blocks", "256") as rt:
+        reference = await _generate_all(rt, 400)
+
+        async def starve(rt: Runtime) -> None:
+            pids = [rt.pid_of(a) for a in ACTORS] + [rt.proc.pid]
+            with noisy_neighbours(pids, 8.0):
+                await trio.sleep(8.0)
+
+        outcomes = await _generate_all(rt, 400, during=starve)
+        assert not [o for o in outcomes if isinstance(o, RequestError)], outcomes
+        assert [o.token_ids for o in outcomes] == [r.token_ids for r in reference]
+        assert not rt.events("peer.dead"), rt.events("peer.dead")
+        assert not rt.events("request.resumed") and not rt.events("supervisor.child_exited")
+        assert rt.events("peer.suspect"), "the starvation did not stall the heartbeats"
 
 
 @pytest.mark.slow

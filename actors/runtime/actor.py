@@ -21,7 +21,7 @@ import zmq
 
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.events import get_logger
-from actors.runtime.liveness import Change, Kind, Liveness, host_id
+from actors.runtime.liveness import Change, Kind, Liveness, LoopLag, host_id
 from actors.runtime.outbox import Outbox
 from actors.runtime.transport import ZSocket, open_socket, set_immediate
 from messages.codec import BadFrame, Decoder, encode
@@ -65,6 +65,7 @@ class Actor:
             (p for p in self.peers if p != self.name), self.hb, self.dead_after
         )
         self.peer_ready: dict[str, bool] = {}  # each peer's last Pong: does it take work?
+        self.lag = LoopLag()  # how late this actor's event loop wakes (the heartbeat's sleep)
         self._nursery: trio.Nursery | None = None  # serve's: the pid watches run there
 
     # ------------------------------------------------------------------ setup
@@ -192,6 +193,7 @@ class Actor:
                     boot_id=self.boot_id,
                     ready=self.is_ready(),
                     host=host_id(),
+                    busy_ms=round(1000 * max(self.lag.recent_s, self.busy_s()), 1),
                 ),
             )
         else:
@@ -269,7 +271,7 @@ class Actor:
                 continue
             if isinstance(msg, Pong):
                 self.peer_ready[peer] = msg.ready
-                change = self.liveness.pong(peer, msg.boot_id)
+                change = self.liveness.pong(peer, msg.boot_id, msg.busy_ms / 1000)
                 if change is not None:
                     self._peer_changed(change, msg.pid)
                 if msg.pid and msg.host and self.liveness.wants_watch(peer, msg.boot_id):
@@ -332,7 +334,11 @@ class Actor:
                     sock.send_nowait([ping])
                 except zmq.ZMQError:
                     pass
+            asked = trio.current_time()
             await trio.sleep(self.hb)
+            window = self.lag.add(trio.current_time() - asked - self.hb, trio.current_time())
+            if window is not None:
+                self.log.info("actor.loop_lag", **window)
             for change in self.liveness.check():
                 self._peer_changed(change)
 
@@ -358,6 +364,11 @@ class Actor:
     def down(self) -> frozenset[str]:
         """Peers declared dead and not back yet."""
         return self.liveness.down
+
+    def busy_s(self) -> float:
+        """Hook: how long this actor has been kept from answering by work of its own (the
+        executor: the step in flight), reported in every Pong beside the loop's lag."""
+        return 0.0
 
     def is_ready(self) -> bool:
         """Whether this actor takes work now (answered in every Pong)."""

@@ -79,6 +79,9 @@ class PeerRecord:
 # busy machine's stalls (steps of 1.9-3.8 s seen at load 4 on 2 vCPUs, a CFS quota's periods,
 # a debugger's pause), and raised per peer to 4x the longest silence it came back from.
 DEAD_AFTER_S = 60.0
+# ... and at least this many times the longest a peer reports it could not answer (its event
+# loop's lag, a long step): a peer whose loop lags 20 s under load is given 200 s.
+BUSY_FACTOR = 10.0
 
 
 @functools.cache
@@ -134,11 +137,14 @@ class Liveness:
         if p.boot_id == boot_id:
             p.watch_tried, p.watched = True, ok
 
-    def pong(self, peer: str, boot_id: str) -> Change | None:
-        """Record a ``Pong`` from ``peer``; the change it makes, if any."""
+    def pong(self, peer: str, boot_id: str, busy_s: float = 0.0) -> Change | None:
+        """Record a ``Pong`` from ``peer``; the change it makes, if any. ``busy_s``: the longest
+        the peer says it was recently kept from answering (``Pong.busy_ms``): its long bound
+        becomes at least ``BUSY_FACTOR`` times that."""
         p = self.peers[peer]
         if boot_id in p.retired:
             return None  # a late answer of a process already replaced
+        p.dead_after_s = max(p.dead_after_s, BUSY_FACTOR * busy_s)
         now = trio.current_time()
         silent, p.last_seen = now - p.last_seen, now
         previous, p.boot_id = p.boot_id, boot_id or p.boot_id
@@ -190,3 +196,38 @@ class Liveness:
                 reason = f"{name} died (no heartbeat for {silent:.1f}s, not on this host)"
                 changes.append(Change(name, Kind.DIED, p.boot_id, reason, silent))
         return changes
+
+
+class LoopLag:
+    """How late an event loop wakes from a sleep (its lag: the time a busy or starved process
+    kept it from running), summarised per window of ``window_s``. Pure: the caller measures."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self.samples: list[float] = []
+        self.start: float | None = None
+        self.last_max = 0.0  # the previous window's worst
+
+    def add(self, lag_s: float, now: float) -> dict[str, float] | None:
+        """One sample; at the end of a window its summary (``p50_ms``, ``p99_ms``, ``max_ms``,
+        ``samples``, ``window_s``), else None."""
+        if self.start is None:
+            self.start = now
+        self.samples.append(max(0.0, lag_s))
+        if now - self.start < self.window_s:
+            return None
+        s = sorted(self.samples)
+        out = {
+            "window_s": round(now - self.start, 1),
+            "samples": len(s),
+            "p50_ms": round(1000 * s[len(s) // 2], 1),
+            "p99_ms": round(1000 * s[min(len(s) - 1, int(0.99 * len(s)))], 1),
+            "max_ms": round(1000 * s[-1], 1),
+        }
+        self.last_max, self.samples, self.start = s[-1], [], now
+        return out
+
+    @property
+    def recent_s(self) -> float:
+        """The worst lag of the last full window and the current one."""
+        return max(self.last_max, max(self.samples, default=0.0))
