@@ -270,6 +270,17 @@ def vllm_agreement(
     return Agreement(n, eq, float(d.mean()), float(d.max()))
 
 
+def _row(out: dict, prefix: str, label: str, got: Agreement) -> None:
+    """Another judge's agreement on the same positions: into ``out`` under ``prefix``, printed."""
+    out[prefix + "top1_equal_rate"] = got.top1_rate
+    out[prefix + "mean_abs_logprob_diff"] = got.mean_abs_logprob_diff
+    out[prefix + "max_abs_logprob_diff"] = got.max_abs_logprob_diff
+    print(
+        f"{label}: top-1 equal {100 * got.top1_rate:.2f}%, mean |logprob diff| "
+        f"{got.mean_abs_logprob_diff:.4f} (max {got.max_abs_logprob_diff:.3f})"
+    )
+
+
 def main(argv: list[str]) -> int:
     from actors.bench.executor import DEFAULT_MODEL, workload
     from gpu.loader import load_spec
@@ -336,31 +347,14 @@ def main(argv: list[str]) -> int:
         h = agreement(
             ref.logprobs, hf_teacher_forced(a.model, prompts, ref.tokens, a.dtype, a.device)
         )
-        out.update(
-            hf_top1_equal_rate=h.top1_rate,
-            hf_mean_abs_logprob_diff=h.mean_abs_logprob_diff,
-            hf_max_abs_logprob_diff=h.max_abs_logprob_diff,
-        )
-        print(
-            f"transformers {a.dtype}, same positions: top-1 equal {100 * h.top1_rate:.2f}%, mean "
-            f"|logprob diff| {h.mean_abs_logprob_diff:.4f} (max {h.max_abs_logprob_diff:.3f})"
-        )
+        _row(out, "hf_", f"transformers {a.dtype}, same positions", h)
     if not a.skip_vllm:
         v = vllm_agreement(a.model, prompts, ref, a.dtype)
         if isinstance(v, str):
             print(f"vllm: skipped: {v[:300]}")
             out["vllm_skipped"] = v
         else:
-            out.update(
-                vllm_top1_equal_rate=v.top1_rate,
-                vllm_mean_abs_logprob_diff=v.mean_abs_logprob_diff,
-                vllm_max_abs_logprob_diff=v.max_abs_logprob_diff,
-            )
-            print(
-                f"vLLM {a.dtype} (its prefill, prompt_logprobs), same positions: top-1 equal "
-                f"{100 * v.top1_rate:.2f}%, mean |logprob diff| {v.mean_abs_logprob_diff:.4f} "
-                f"(max {v.max_abs_logprob_diff:.3f})"
-            )
+            _row(out, "vllm_", f"vLLM {a.dtype} (its prefill, prompt_logprobs), same positions", v)
     if a.json is not None:
         a.json.write_text(json.dumps(out, indent=2))
     return 0
