@@ -24,21 +24,19 @@ from typing import Any
 
 import trio
 
-from actors.kv.reservation import grow_to
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
 from gpu.kv_cache import resolve_num_blocks
 from gpu.paged_kernel import usable
+from gpu.publish import step_messages
 from gpu.recovery import Flight, RecoveryMixin
 from gpu.step_plan import burst_end
 from gpu.structured.grammar import Compiled, GrammarError
 from gpu.structured.pending import Done, PendingCompiles
 from messages import executor as xm
 from messages.common import Reconcile
-from messages.kv import Grow
 from messages.scheduler import PrefillDone, RequestDone
-from messages.tokenizer import TokenBatch, TokenEvent
 
 
 class ExecutorActor(RecoveryMixin, Actor):
@@ -368,66 +366,7 @@ class ExecutorActor(RecoveryMixin, Actor):
 
     # -------------------------------------------------------------- outbound
     def _publish(self, result: StepResult) -> None:
-        for rid, field, reason in result.failed:
-            fl = self.flight.pop(rid, None)
-            if fl is None:
-                continue
-            self.log.warning("executor.failed", request_id=rid, field=field, reason=reason)
-            self.send(
-                "scheduler",
-                RequestDone(
-                    request_id=rid,
-                    attempt=fl.attempt,
-                    status="error",
-                    message=reason,
-                    field=field,
-                    output_ids=fl.outputs,
-                ),
-            )
-        events: list[TokenEvent] = []
-        for out in result.outputs:
-            if out.token_id is None:
-                continue
-            rid = out.request_id
-            fl = self.flight.get(rid)
-            if fl is None:
-                continue
-            fl.outputs.append(out.token_id)
-            events.append(
-                TokenEvent(rid, out.token_id, out.logprob, out.top_logprobs, out.finish_reason)
-            )
-            if out.prefill_done:
-                self.log.info(
-                    "executor.prefill_done",
-                    request_id=rid,
-                    ttft_s=round(time.monotonic() - fl.started, 6),
-                )  # (its PrefillDone went out when the step was planned: _prefills_planned)
-            if out.finish_reason is not None:
-                self.flight.pop(rid)
-                kv_tokens = fl.prompt + fl.outputs[:-1]
-                self.send(
-                    "scheduler",
-                    RequestDone(
-                        request_id=rid,
-                        attempt=fl.attempt,
-                        status="finished",
-                        kv_token_ids=kv_tokens,
-                        output_ids=fl.outputs,
-                        finish_reason=out.finish_reason,
-                    ),
-                )
-                continue
-            # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
-            # what the request can still write (a full reservation holds that from the start).
-            need = out.num_prompt_tokens + out.num_output_tokens
-            want = grow_to(need, self.lookahead, self.ex.kv_tokens_at_most(rid))
-            if self.ex.capacity(rid) < want and fl.grow_asked < want:
-                fl.grow_asked = want
-                if self.kv_down:
-                    continue  # asked of the successor in kv_holding
-                self.send(
-                    "kv_manager",
-                    Grow(request_id=rid, attempt=fl.attempt, total_tokens=fl.grow_asked),
-                )
-        if events:
-            self.send("tokenizer", TokenBatch(events=events))
+        for peer, msg in step_messages(
+            result, self.flight, self.ex, self.lookahead, self.kv_down, self.log
+        ):
+            self.send(peer, msg)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from actors.kv.reservation import kv_tokens_at_most
-from gpu import cpu_ops, cpu_tuning, loader, memory
+from gpu import cpu_ops, loader
 from gpu.attention import build_metadata
-from gpu.kv_cache import PagedKVCache, pool_blocks
+from gpu.kv_cache import PagedKVCache, loaded_pool
 from gpu.logits_processors import LogitsProcessors, apply_processors
 from gpu.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from gpu.model import LlamaFamilyModel
@@ -84,13 +84,7 @@ class Executor:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.device = loader.resolve_device(device)
-        if self.device.type == "cpu":
-            cpu_tuning.tune_malloc()
-        else:
-            # cuDNN's SDPA builds an execution plan per new shape on the host: with prefill
-            # chunks of every length it took 91% of a run's time on an H200 (7.3 ms of CPU per
-            # call for 6 us of GPU work; docs/benchmarks/cuda). Flash/memory-efficient have none.
-            torch.backends.cuda.enable_cudnn_sdp(False)
+        loader.tune_process(self.device)
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec
@@ -111,16 +105,14 @@ class Executor:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
         self.block_size = block_size
-        per_block = PagedKVCache.bytes_per_block(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, self.kv_dtype
-        )
-        if num_blocks is None:
-            num_blocks = self._size_pool(spec, per_block, kv_memory, gpu_memory_utilization)
-        memory.check_fits(
-            num_blocks * per_block,
+        num_blocks, per_block = loaded_pool(
             spec,
             self.kv_dtype,
             self.device,
+            block_size,
+            num_blocks,
+            kv_memory,
+            utilization=gpu_memory_utilization,
             step_tokens=step_budget,
             batch_rows=max_batch_size,
         )
@@ -144,32 +136,6 @@ class Executor:
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, self.eos_token_ids, self.device
         )
-
-    def _size_pool(self, spec, per_block: int, kv_memory, utilization: float) -> int:
-        """The pool in blocks when none was given: on cuda from the card as it is now, with the
-        weights loaded (gpu.memory.cuda_kv_bytes), elsewhere by gpu.kv_cache.pool_blocks; at
-        most what ``max_batch_size`` requests of the model's context can use."""
-        most = -(-self.budget.max_batch_size * spec.max_model_len // self.block_size)
-        if self.device.type != "cuda" or kv_memory is not None:
-            return pool_blocks(
-                spec, self.kv_dtype, self.device, self.block_size, kv_memory, most * self.block_size
-            )
-        torch.cuda.empty_cache()
-        free, total = memory.device_memory(self.device)
-        nbytes = memory.cuda_kv_bytes(
-            free=free,
-            total=total,
-            used_by_us=torch.cuda.memory_reserved(self.device),
-            weights_to_load=0,
-            activations=memory.activation_bytes(
-                spec, self.kv_dtype, self.budget.step_budget, self.budget.max_batch_size
-            ),
-            utilization=utilization,
-            num_layers=spec.num_layers,
-        )
-        if nbytes < per_block:
-            raise ValueError(f"no room for a KV pool on {self.device} once the weights are loaded")
-        return min(nbytes // per_block, most)
 
     # ---- request management -------------------------------------------------------------
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpu.memory import DEFAULT_GPU_MEMORY_UTILIZATION, default_kv_bytes, device_memory
+from gpu.memory import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    check_fits,
+    default_kv_bytes,
+    device_memory,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -112,12 +117,14 @@ def pool_blocks(
     utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     step_tokens: int = 8192,
     batch_rows: int = 256,
+    loaded: bool = False,
 ) -> int:
     """Blocks of ``block_size`` tokens for ``spec``'s KV within ``kv_memory`` (bytes if an int or a
     float > 1, else a fraction of free device memory); None means the default of
     :func:`gpu.memory.default_kv_bytes` (``utilization`` of the card on cuda, for steps of
-    ``step_tokens`` tokens sampling ``batch_rows`` rows), at most ``max_tokens`` (what the batch
-    can ever use: more would be memory never touched)."""
+    ``step_tokens`` tokens sampling ``batch_rows`` rows; ``loaded``: this process holds the
+    weights already), at most ``max_tokens`` (what the batch can ever use: more would be memory
+    never touched)."""
     per_block = PagedKVCache.bytes_per_block(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype
     )
@@ -130,11 +137,54 @@ def pool_blocks(
         utilization=utilization,
         step_tokens=step_tokens,
         batch_rows=batch_rows,
+        loaded=loaded,
     )
     blocks = PagedKVCache.blocks_for_budget(max(nbytes, per_block), per_block, device)
     if max_tokens:
         blocks = min(blocks, -(-max_tokens // block_size))
     return blocks
+
+
+def loaded_pool(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    num_blocks: int | None,
+    kv_memory: int | float | None,
+    *,
+    utilization: float,
+    step_tokens: int,
+    batch_rows: int,
+) -> tuple[int, int]:
+    """The executor's pool, its weights loaded: ``(blocks, bytes per block)``. ``num_blocks`` as
+    given (the supervisor's), else :func:`pool_blocks` with the card as it is now; refused when
+    it would not leave one step's activations on the device (gpu.memory.check_fits)."""
+    per_block = PagedKVCache.bytes_per_block(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype
+    )
+    if num_blocks is None:
+        num_blocks = pool_blocks(
+            spec,
+            dtype,
+            device,
+            block_size,
+            kv_memory,
+            batch_rows * spec.max_model_len,
+            utilization=utilization,
+            step_tokens=step_tokens,
+            batch_rows=batch_rows,
+            loaded=True,
+        )
+    check_fits(
+        num_blocks * per_block,
+        spec,
+        dtype,
+        device,
+        step_tokens=step_tokens,
+        batch_rows=batch_rows,
+    )
+    return num_blocks, per_block
 
 
 def resolve_num_blocks(cfg: RuntimeConfig) -> int:

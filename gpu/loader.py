@@ -49,6 +49,20 @@ class ModelSpec:
 HOST = torch.device("cpu")
 
 
+def tune_process(device: torch.device) -> None:
+    """Process-wide settings for an executor on ``device``: on cpu the allocator's
+    (gpu.cpu_tuning); on cuda cuDNN's SDPA off, since it builds an execution plan per new shape
+    on the host: with prefill chunks of every length that took 91% of a run's time on an H200
+    (7.3 ms of CPU per call for 6 us of GPU work; docs/benchmarks/cuda). Flash and
+    memory-efficient attention build none."""
+    if device.type == "cpu":
+        from gpu import cpu_tuning
+
+        cpu_tuning.tune_malloc()
+    else:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``device`` as given, else cuda when available, else cpu."""
     if device is None:

@@ -130,17 +130,27 @@ def default_kv_bytes(
     step_tokens: int = 8192,
     batch_rows: int = 256,
     reader: MemoryReader | None = None,
+    loaded: bool = False,
 ) -> int:
-    """The default KV budget for ``spec`` before its weights load (see the module doc)."""
+    """The default KV budget for ``spec`` (see the module doc): before its weights load (the
+    supervisor: their expected footprint is taken off), or with ``loaded`` in the process that
+    holds them (on cuda: what torch's allocator holds counts as used, nothing is left to load;
+    on cpu the rule stays the supervisor's, so that both give the same pool)."""
+    import torch
+
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    loaded = loaded and kind == "cuda"
+    weights = 0 if loaded else int(weight_bytes(spec, dtype) * WEIGHT_COPIES[kind])
+    if loaded:
+        torch.cuda.empty_cache()
     free, total = (reader or device_memory)(device)
-    if device.type != "cuda":
-        after = free - int(weight_bytes(spec, dtype) * WEIGHT_COPIES["cpu"])
-        return max(0, int(after * CPU_KV_FRACTION))
+    if kind == "cpu":
+        return max(0, int((free - weights) * CPU_KV_FRACTION))
     return cuda_kv_bytes(
         free=free,
         total=total,
-        used_by_us=0,
-        weights_to_load=int(weight_bytes(spec, dtype) * WEIGHT_COPIES["cuda"]),
+        used_by_us=torch.cuda.memory_reserved(device) if loaded else 0,
+        weights_to_load=weights,
         activations=activation_bytes(spec, dtype, step_tokens, batch_rows),
         utilization=utilization,
         num_layers=spec.num_layers,

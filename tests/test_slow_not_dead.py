@@ -148,7 +148,7 @@ SPIN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\n
 
 
 @contextlib.contextmanager
-def noisy_neighbours(pids: list[int], seconds: float) -> Iterator[None]:
+def noisy_neighbours(pids: list[int], seconds: float) -> Iterator[list[subprocess.Popen]]:
     """A noisy neighbour: twice as many busy loops as cores, for ``seconds``, in a cgroup of the
     highest CPU weight (cpu.shares 262144), while ``pids`` sit in one of the lowest (2): they get
     about one cycle in 100,000, so every actor and the supervisor stall for the whole time (as
@@ -162,7 +162,7 @@ def noisy_neighbours(pids: list[int], seconds: float) -> Iterator[None]:
             p = subprocess.Popen([sys.executable, "-c", SPIN, str(seconds)])
             spinners.append(p)
             (high / "cgroup.procs").write_text(str(p.pid))
-        yield
+        yield spinners  # each exits after ``seconds``
     finally:
         for p in spinners:
             p.kill()
@@ -181,8 +181,9 @@ async def test_a_runtime_starved_by_noisy_neighbours_fails_nothing(tiny_model, t
 
         async def starve(rt: Runtime) -> None:
             pids = [rt.pid_of(a) for a in ACTORS] + [rt.proc.pid]
-            with noisy_neighbours(pids, 8.0):
-                await trio.sleep(8.0)
+            with noisy_neighbours(pids, 8.0) as spinners:
+                for p in spinners:
+                    await trio.to_thread.run_sync(p.wait)
 
         outcomes = await _generate_all(rt, 400, during=starve)
         assert not [o for o in outcomes if isinstance(o, RequestError)], outcomes

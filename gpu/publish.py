@@ -1,0 +1,87 @@
+"""What one executor step tells its peers: the tokens for the tokenizer, the ends for the
+scheduler, the growth ahead of need for the KV manager. A function of the step's result and the
+flight ledger (which it updates); the actor only sends what it returns."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from actors.kv.reservation import grow_to
+from gpu.executor import Executor, StepResult
+from gpu.recovery import Flight
+from messages.kv import Grow
+from messages.scheduler import RequestDone
+from messages.tokenizer import TokenBatch, TokenEvent
+
+
+def step_messages(
+    result: StepResult,
+    flight: dict[str, Flight],
+    ex: Executor,
+    lookahead: int,
+    kv_down: bool,
+    log: Any,
+) -> list[tuple[str, msgspec.Struct]]:
+    """``(peer, message)`` pairs for ``result``, in sending order. Ended requests leave
+    ``flight``; each running one records its tokens and the growth it asked for. With
+    ``kv_down`` growth is not asked (the successor is asked when it holds)."""
+    out_msgs: list[tuple[str, msgspec.Struct]] = []
+    for rid, field, reason in result.failed:
+        fl = flight.pop(rid, None)
+        if fl is None:
+            continue
+        log.warning("executor.failed", request_id=rid, field=field, reason=reason)
+        done = RequestDone(
+            request_id=rid,
+            attempt=fl.attempt,
+            status="error",
+            message=reason,
+            field=field,
+            output_ids=fl.outputs,
+        )
+        out_msgs.append(("scheduler", done))
+    events: list[TokenEvent] = []
+    for out in result.outputs:
+        if out.token_id is None:
+            continue
+        rid = out.request_id
+        fl = flight.get(rid)
+        if fl is None:
+            continue
+        fl.outputs.append(out.token_id)
+        events.append(
+            TokenEvent(rid, out.token_id, out.logprob, out.top_logprobs, out.finish_reason)
+        )
+        if out.prefill_done:
+            log.info(
+                "executor.prefill_done",
+                request_id=rid,
+                ttft_s=round(time.monotonic() - fl.started, 6),
+            )  # (its PrefillDone went out when the step was planned)
+        if out.finish_reason is not None:
+            flight.pop(rid)
+            done = RequestDone(
+                request_id=rid,
+                attempt=fl.attempt,
+                status="finished",
+                kv_token_ids=fl.prompt + fl.outputs[:-1],
+                output_ids=fl.outputs,
+                finish_reason=out.finish_reason,
+            )
+            out_msgs.append(("scheduler", done))
+            continue
+        # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
+        # what the request can still write (a full reservation holds that from the start).
+        need = out.num_prompt_tokens + out.num_output_tokens
+        want = grow_to(need, lookahead, ex.kv_tokens_at_most(rid))
+        if ex.capacity(rid) < want and fl.grow_asked < want:
+            fl.grow_asked = want
+            if not kv_down:
+                grow = Grow(request_id=rid, attempt=fl.attempt, total_tokens=want)
+                out_msgs.append(("kv_manager", grow))
+    if events:
+        out_msgs.append(("tokenizer", TokenBatch(events=events)))
+    return out_msgs
