@@ -131,29 +131,29 @@ class ExecutorActor(RecoveryMixin, Actor):
             t2 = time.perf_counter()
             self._publish(result)
             t3 = time.perf_counter()
-            if not result.num_requests and result.skipped and not self.mailbox:
-                # every request waits for blocks (a shortage, or the KV manager restarting):
-                # sleep until a message (a grant, a preemption) arrives
-                self.wake = trio.Event()
-                await self.wake.wait()
+            if not result.num_requests:  # not a step: nothing ran (counted steps are logged)
+                if result.skipped and not self.mailbox:
+                    # every request waits for blocks (a shortage, or the KV manager restarting):
+                    # sleep until a message (a grant, a preemption) arrives
+                    self.wake = trio.Event()
+                    await self.wake.wait()
                 continue
             self.steps += 1
-            if result.num_requests:
-                self.log.info(
-                    "executor.step",
-                    step=self.steps,
-                    requests=result.num_requests,
-                    prefill_tokens=result.num_prefill_tokens,
-                    decode_tokens=result.num_decode_tokens,
-                    skipped=len(result.skipped),
-                    constrained=result.num_constrained,
-                    mask_s=round(result.mask_s, 6),
-                    forward_s=round(result.forward_s, 6),
-                    step_s=round(t2 - t1, 6),
-                    control_s=round((t1 - t0) + (t3 - t2), 6),
-                    decode_ctx=result.decode_ctx,
-                    prefill_ctx=result.prefill_ctx,
-                )
+            self.log.info(
+                "executor.step",
+                step=self.steps,
+                requests=result.num_requests,
+                prefill_tokens=result.num_prefill_tokens,
+                decode_tokens=result.num_decode_tokens,
+                skipped=len(result.skipped),
+                constrained=result.num_constrained,
+                mask_s=round(result.mask_s, 6),
+                forward_s=round(result.forward_s, 6),
+                step_s=round(t2 - t1, 6),
+                control_s=round((t1 - t0) + (t3 - t2), 6),
+                decode_ctx=result.decode_ctx,
+                prefill_ctx=result.prefill_ctx,
+            )
 
     async def _gather_burst(self) -> None:
         """Nothing was running and the scheduler is admitting more requests right behind the
