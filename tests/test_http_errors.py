@@ -187,9 +187,23 @@ async def test_dropped_connections_cancel_and_free_their_blocks(server):
         assert r.status_code == 200
         async for _ in r.aiter_bytes():
             break  # one chunk, then hang up
-    with pytest.raises(httpx.ReadTimeout):
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=0.5) as c:
-            await c.post(COMP, json=body)
+    await wait_until(lambda: drained(server), timeout=15)
+
+    async def running() -> bool:
+        return (await kv_stats(server.rt)).running > 0
+
+    # a plain (non-streamed) request: hang up as soon as it runs, not after a fixed wait (a
+    # tiny model can finish 1000 tokens in half a second)
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
+        async with trio.open_nursery() as nursery:
+
+            async def hang_up_once_running() -> None:
+                await wait_until(running, timeout=15, interval=0.005)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(hang_up_once_running)
+            r = await c.post(COMP, json=body)
+            pytest.fail(f"the request finished before the client hung up: {r.status_code}")
     rt = server.rt
     await wait_until(
         lambda: len([e for e in rt.events("http.response") if e.get("disconnected")]) >= 2,
