@@ -6,10 +6,9 @@ uninterrupted run, each streamed once; the KV pool is clean afterwards."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import threading
+import subprocess
+import sys
 
 import pytest
 import trio
@@ -43,7 +42,6 @@ class Steps:
 
     def __init__(self, path) -> None:
         self.path, self.offset, self.n = path, 0, 0
-        self.killed = False
 
     def count(self) -> int:
         with open(self.path, "rb") as f:
@@ -54,14 +52,30 @@ class Steps:
         self.offset += end
         return self.n
 
-    def kill_at(self, step: int, pid: int, done: threading.Event) -> None:
-        """SIGKILL ``pid`` once the log shows ``step`` steps (unless ``done`` is set first)."""
-        self.killed = False
-        while not done.wait(0.002):
-            if self.count() >= step:
-                os.kill(pid, signal.SIGKILL)
-                self.killed = True
-                return
+    def killer(self, step: int, pid: int) -> subprocess.Popen:
+        """A process of its own that SIGKILLs ``pid`` once the log shows ``step`` steps and then
+        exits 0 (terminated first, it never killed); returned once it watches. Not a thread of
+        the test: behind the client's backlog of tokens (the GIL, a loaded machine) a thread
+        read the log so late that the whole run had ended."""
+        count = self.count()
+        code = (
+            "import os, signal, sys, time\n"
+            "path, off, n, step, pid = sys.argv[1], *map(int, sys.argv[2:])\n"
+            "print('ready', flush=True)\n"
+            "while n < step:\n"
+            "    time.sleep(0.002)\n"
+            "    with open(path, 'rb') as f:\n"
+            "        f.seek(off)\n"
+            "        chunk = f.read()\n"
+            "    end = chunk.rfind(b'\\n') + 1\n"
+            '    n += chunk[:end].count(b\'"event": "executor.step"\')\n'
+            "    off += end\n"
+            "os.kill(pid, signal.SIGKILL)\n"
+        )
+        args = [str(self.path), str(self.offset), str(count), str(step), str(pid)]
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        return proc
 
 
 async def run_all(rt, reqs: list[dict], on_token=None) -> dict[str, list[int]]:
@@ -119,19 +133,16 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
             kill_at = took + random.Random(seed).randint(3, 6)
         old_pid = rt.pid_of(victim)
 
-        # a thread of its own: behind the client's backlog of tokens, a trio task would wake late
-        done = threading.Event()
-        killer = threading.Thread(target=steps.kill_at, args=(kill_at, old_pid, done))
-        killer.start()
+        killer = steps.killer(kill_at, old_pid)
         try:
             with trio.fail_after(60):
                 resumed = await run_all(
                     rt, [dict(r, request_id=r["request_id"] + "b") for r in reqs]
                 )
         finally:
-            done.set()
-            killer.join()
-        assert steps.killed, f"the kill never happened: {steps.count() - took} steps"
+            killer.terminate()
+            killed = killer.wait() == 0
+        assert killed, f"the kill never happened: {steps.count() - took} steps"
         # restarted: the streams can all end first (a scheduler's death stops no running
         # request, and a slow client reads its tokens well after the executor made them)
         await wait_until(lambda: rt.pid_of(victim) != old_pid, timeout=30)
