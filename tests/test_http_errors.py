@@ -189,21 +189,29 @@ async def test_dropped_connections_cancel_and_free_their_blocks(server):
             break  # one chunk, then hang up
     await wait_until(lambda: drained(server), timeout=15)
 
-    async def running() -> bool:
-        return (await kv_stats(server.rt)).running > 0
+    async def admitted() -> bool:
+        return (await kv_stats(server.rt)).in_use > 0
 
-    # a plain (non-streamed) request: hang up as soon as it runs, not after a fixed wait (a
-    # tiny model can finish 1000 tokens in half a second)
-    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
-        async with trio.open_nursery() as nursery:
+    # a plain (non-streamed) request, hung up on while it runs: the executor is stopped
+    # (SIGSTOP) meanwhile, so the request cannot end before the client hangs up however fast
+    # the model or however loaded the machine (a fixed wait lost that race on CI)
+    executor = server.rt.pid_of("executor")
+    os.kill(executor, signal.SIGSTOP)
+    try:
+        async with (
+            httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c,
+            trio.open_nursery() as nursery,
+        ):
 
-            async def hang_up_once_running() -> None:
-                await wait_until(running, timeout=15, interval=0.005)
+            async def hang_up_once_admitted() -> None:
+                await wait_until(admitted, timeout=15)
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(hang_up_once_running)
+            nursery.start_soon(hang_up_once_admitted)
             r = await c.post(COMP, json=body)
-            pytest.fail(f"the request finished before the client hung up: {r.status_code}")
+            pytest.fail(f"the request finished while the executor was stopped: {r.status_code}")
+    finally:
+        os.kill(executor, signal.SIGCONT)
     rt = server.rt
     await wait_until(
         lambda: len([e for e in rt.events("http.response") if e.get("disconnected")]) >= 2,
