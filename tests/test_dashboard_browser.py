@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -379,3 +380,38 @@ async def test_export_of_a_replicated_run_has_a_replica_column(tmp_path, browser
     assert "16 blocks" in got["config"] and "2 replicas" in got["config"]  # pools summed
     assert "on replica-1" in got["life"]
     assert "blocks_needed=9 blocks_free=2 blocks_evictable=3" in got["refused"]
+
+
+@pytest.mark.deadline(120)
+async def test_dashboard_shows_a_stopped_actor_suspect_then_alive(tiny_model, tmp_path, browser):
+    """A stopped (SIGSTOP) executor is silent but alive: the page names it suspect (its peers'
+    ``peer.suspect``), and clears it when it runs again (``peer.cleared``), never dead."""
+    with start_http_runtime(tiny_model, tmp_path / "rt", api_key="k") as hr:
+        await trio.to_thread.run_sync(browser.get, f"{hr.url}/dashboard?key=k&refresh_ms=200")
+
+        async def connected() -> bool:
+            return (await _dom(browser, "return MR.stats().conn")) == "live"
+
+        await wait_until(connected, timeout=20, interval=0.1)
+        pill = (
+            "return [...document.querySelectorAll('#actors [data-actor]')]"
+            ".map(p => [p.dataset.actor, p.dataset.state])"
+        )
+        pid = hr.rt.pid_of("executor")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+
+            async def shown_suspect() -> bool:
+                return ["executor", "suspect"] in await _dom(browser, pill)
+
+            await wait_until(shown_suspect, timeout=30, interval=0.1)
+            _shot(browser, tmp_path, "dashboard-suspect.png")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        async def cleared() -> bool:
+            return await _dom(browser, pill) == []
+
+        await wait_until(cleared, timeout=30, interval=0.1)
+        assert [e for e in hr.rt.events("peer.cleared") if e["peer"] == "executor"]
+        assert not hr.rt.events("peer.dead")

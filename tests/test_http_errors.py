@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import httpx
 import openai
@@ -139,6 +140,35 @@ def test_unknown_fields_clients_send_are_ignored(server):
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_body_declared_over_32_mib_is_refused_413_before_it_is_sent(server):
+    """The limit holds while the body is read: a client that announces 40 MB gets 413 at once,
+    nothing of its body buffered (it has sent none)."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH['Authorization']}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 40000000\r\n\r\n{".encode()
+        )
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    answer = data.decode()
+    assert answer.startswith("HTTP/1.1 413"), answer[:200]
+    assert "request body over 33554432 bytes" in answer
+
+
+def length(response: bytes) -> int:
+    """The Content-Length of an HTTP response's head (0 until it is all there)."""
+    head = response.partition(b"\r\n\r\n")[0].decode().lower()
+    for line in head.split("\r\n"):
+        if line.startswith("content-length:"):
+            return int(line.split(":", 1)[1])
+    return 0
+
+
 def test_api_key_is_required_except_for_health(server):
     for method, path in (("POST", COMP), ("GET", "/v1/models"), ("GET", "/metrics")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -222,6 +252,47 @@ async def test_dropped_connections_cancel_and_free_their_blocks(server):
     await wait_until(lambda: drained(server), timeout=15)
 
 
+async def test_a_stopped_actor_is_suspect_in_health_not_down_and_its_requests_complete(server):
+    """SIGSTOP is what a debugger, a checkpoint or a throttled cgroup does to a process: it does
+    not answer, but it lives. /health says so (503: it cannot serve now) and a request sent
+    meanwhile completes once it runs again."""
+    pid = server.rt.pid_of("executor")
+    deaths = len(server.rt.events("peer.dead"))
+    os.kill(pid, signal.SIGSTOP)
+    answers: list[httpx.Response] = []
+    try:
+        async with (
+            httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=90) as c,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def one() -> None:
+                answers.append(await c.post(COMP, json={"prompt": "x", "max_tokens": 4}))
+
+            nursery.start_soon(one)
+
+            async def suspect() -> dict | None:
+                r = await c.get("/health")
+                return r.json() if r.status_code == 503 else None
+
+            body = await wait_until(suspect, timeout=15)
+            assert body["actors"]["executor"] == {
+                "alive": True,
+                "ready": False,
+                "state": "suspect",
+            }, body
+            assert "executor (suspect: not answering, process alive)" in body["missing"]
+            assert not answers  # it waits
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["usage"]["completion_tokens"] == 4
+    await trio.to_thread.run_sync(lambda: wait_healthy(server.url, timeout=30))
+    assert server.rt.pid_of("executor") == pid  # never restarted
+    assert len(server.rt.events("peer.dead")) == deaths
+
+
 def test_a_dead_actor_turns_health_503_naming_it_and_requests_wait_for_it(server):
     os.kill(server.rt.pid_of("executor"), signal.SIGKILL)
 
@@ -231,7 +302,7 @@ def test_a_dead_actor_turns_health_503_naming_it_and_requests_wait_for_it(server
 
     down = poll_until(unhealthy, 15, "health to turn 503")
     assert "executor" in down.json()["missing"], down.json()
-    assert down.json()["actors"]["executor"] == {"alive": False, "ready": False}
+    assert down.json()["actors"]["executor"] == {"alive": False, "ready": False, "state": "down"}
 
     # a request sent while the executor is down is held, not refused, and answered once the
     # supervisor restarted it (tokenizer_svc: client.held)

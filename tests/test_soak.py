@@ -127,7 +127,11 @@ def check(rt, report: dict, total: int) -> dict:
     outcomes = report["outcomes"]
     assert len(outcomes) == total, f"lost {total - len(outcomes)} requests"
     kinds = collections.Counter(outcomes.values())
-    assert set(kinds) <= {"stop", "length", "abort", "aborted", "overloaded", "actor_dead"}, kinds
+    # a calm soak: no actor dies (tests/test_chaos.py kills them on purpose), so no request
+    # fails for a death, however loaded the machine
+    assert set(kinds) <= {"stop", "length", "abort", "aborted", "overloaded"}, kinds
+    deaths = [e for e in rt.events() if e.get("event") in ("peer.dead", "supervisor.child_exited")]
+    assert not deaths, deaths[:3]
     # exactly one terminal event per request at the front door: none lost, none duplicated
     ends = collections.Counter(
         e["client_request_id"]

@@ -97,6 +97,17 @@ def host_id() -> str:
     return f"{boot}/{ns}"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still exists (stopped or starved counts, a zombie
+    that exited does not): what makes a silent peer suspect rather than dead."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 class Liveness:
     def __init__(
         self,

@@ -23,6 +23,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from actors.launch.health import ping
+from actors.runtime.liveness import host_id, process_alive
+from messages.common import Pong
 from tokenizer_svc.http.convert import chat_messages, plan_chat, plan_completion
 from tokenizer_svc.http.errors import ApiError, from_validation, invalid
 from tokenizer_svc.http.gate import Gate
@@ -61,9 +63,23 @@ class Server:
 
 
 async def _body(request: Request, model: type[B]) -> B:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, f"request body over {MAX_BODY} bytes")
+    """The request's JSON body as ``model``; 413 as soon as it is known to be over ``MAX_BODY``
+    (its ``Content-Length``, else the bytes read so far): never buffered whole."""
+    too_big = ApiError(413, f"request body over {MAX_BODY} bytes")
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        raise invalid("content-length", "the Content-Length header is not a number") from None
+    if declared > MAX_BODY:
+        raise too_big
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise too_big
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as e:
@@ -117,20 +133,37 @@ def build_app(server: Server) -> Gate:
         }
         return JSON({"object": "list", "data": [card]})
 
+    last_pong: dict[str, Pong] = {}  # each actor's latest answer: its pid and host
+
+    def silent(name: str) -> str:
+        """An actor that did not answer: ``suspect`` while its process lives on this host
+        (stopped, starved, busy: requests wait for it), else ``down``."""
+        was = last_pong.get(name)
+        here = was is not None and was.host == host_id() and process_alive(was.pid)
+        return "suspect" if here else "down"
+
     async def health(request: Request) -> JSON:
         status: dict[str, dict[str, Any]] = {}
 
         async def probe(name: str) -> None:
             pong = await ping(server.endpoints[name], timeout=HEALTH_TIMEOUT_S, curve=server.curve)
-            status[name] = {"alive": pong is not None, "ready": bool(pong and pong.ready)}
+            if pong is not None:
+                last_pong[name] = pong
+            state = "ok" if pong is not None else silent(name)
+            ready = bool(pong and pong.ready)
+            status[name] = {"alive": state != "down", "ready": ready, "state": state}
 
         async with trio.open_nursery() as nursery:
             for name in ACTORS:
                 nursery.start_soon(probe, name)
-        missing = [n for n in ACTORS if not status[n]["alive"]]
-        if status["scheduler"]["alive"] and not status["scheduler"]["ready"]:
+        missing = [
+            n if status[n]["state"] == "down" else f"{n} (suspect: not answering, process alive)"
+            for n in ACTORS
+            if status[n]["state"] != "ok"
+        ]
+        if status["scheduler"]["state"] == "ok" and not status["scheduler"]["ready"]:
             missing.append("scheduler (not admitting)")
-        if not server.upstream.alive and "tokenizer" not in missing:
+        if not server.upstream.alive and status["tokenizer"]["state"] == "ok":
             missing.append("tokenizer (no client connection)")
         body: dict[str, Any] = {"status": "ok" if not missing else "unavailable", "actors": status}
         if missing:

@@ -31,6 +31,14 @@
     $("conn").textContent = conn.text; $("conn").className = "pill " + conn.kind;
     const n = m.counts;
     const live = m.liveCounts();
+    const down = [...m.actors.values()].filter((a) => a.state !== "alive");
+    const pills = down.map((a) => {
+      const who = (a.replica ? a.replica + "/" : "") + a.name;
+      const why = a.state === "dead" ? a.reason : `silent ${a.silentS.toFixed(1)} s, requests wait`;
+      return `<span class="pill ${a.state}" data-actor="${esc(who)}" data-state="${a.state}" title="${esc(why)}">${esc(who)} ${a.state}</span>`;
+    }).join(" ");
+    const el = $("actors");
+    if (el.dataset.html !== pills) { el.innerHTML = pills; el.dataset.html = pills; }
     $("counts").textContent = `${live.waiting} waiting · ${live.running} running · ${n.finished} finished · ` +
       `${n.refusals} refusals · ${n.preemptions} preemptions · ${n.evictions} evicted blocks · ${rate.toFixed(0)} events/s`;
   };

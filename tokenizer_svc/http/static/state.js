@@ -40,6 +40,10 @@
     "client.aborted": "aborted",
     "client.failed": "failed",
     "client.rejected": "rejected",
+    "peer.suspect": "peerSuspect",          // every actor, of a peer: liveness
+    "peer.cleared": "peerCleared",
+    "peer.dead": "peerDead",
+    "peer.alive": "peerAlive",
   };
   // events that explain a wait (the request's life marks them, as `minirt trace` does)
   MR.WAIT_EVENTS = new Set(["admission.refused", "kv.refused", "request.preempted",
@@ -82,6 +86,7 @@
       this.config = {};
       this.sched = { running: 0, waiting: 0 };
       this.replicas = new Set();
+      this.actors = new Map();          // "replica/actor" -> what its peers say of it (peerState)
       this.hitTokens = 0; this.queriedTokens = 0;
       this.counts = { events: 0, finished: 0, failed: 0, refusals: 0, preemptions: 0, evictions: 0 };
       this.firstTs = null; this.lastTs = null; this.seq = 0;
@@ -268,6 +273,31 @@
     }
     overloaded(e, r, ts) { if (r) { r.error = "overloaded: " + e.waiting + " waiting"; this.setState(r, "failed", ts); } }
     schedReset(e) { this.sched.running = 0; this.sched.waiting = 0; }
+    // liveness, as the peers report it: suspect while any peer finds it silent (slow, starved,
+    // stopped: requests wait), dead once one saw its process exit, alive again when it answers
+    peer(e) {
+      const key = (e.replica || "") + "/" + e.peer;
+      let a = this.actors.get(key);
+      if (!a) { a = { name: String(e.peer), replica: e.replica || "", state: "alive", by: new Set(), silentS: 0, reason: "", ts: 0 }; this.actors.set(key, a); }
+      return a;
+    }
+    peerSuspect(e, r, ts) {
+      const a = this.peer(e);
+      if (a.state === "dead") return;
+      a.by.add(e.actor); a.silentS = Math.max(a.silentS, Number(e.silent_s) || 0);
+      if (a.state !== "suspect") { a.state = "suspect"; a.ts = ts; }
+    }
+    peerCleared(e, r, ts) {
+      const a = this.peer(e);
+      a.by.delete(e.actor);
+      if (a.state === "suspect" && !a.by.size) { a.state = "alive"; a.silentS = 0; a.ts = ts; }
+    }
+    peerDead(e, r, ts) { const a = this.peer(e); a.state = "dead"; a.reason = e.reason || ""; a.by.clear(); a.ts = ts; }
+    peerAlive(e, r, ts) {
+      const a = this.peer(e);
+      a.by.delete(e.actor);
+      if (a.state === "dead" || !a.by.size) { a.state = "alive"; a.silentS = 0; a.reason = ""; a.ts = ts; }
+    }
   }
   MR.Model = Model;
   MR.TERMINAL = TERMINAL;
