@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +86,17 @@ def hf_greedy(
             )
             outs.append(out[0, len(p) :].tolist())
     return outs
+
+
+@contextmanager
+def stopped(rt: Runtime, actor: str) -> Iterator[int]:
+    """``actor`` stopped (SIGSTOP) inside the block, running again (SIGCONT) after it; yields its
+    pid. A stopped executor makes no progress: what a test does meanwhile (hang up, cancel, kill
+    a peer) happens before a request can end, however fast the model or loaded the machine.
+    Its peers find it suspect, never dead (docs/reliability.md)."""
+    pid = rt.pid_of(actor)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -13,7 +13,7 @@ from actors.client import RequestError, open_client
 from actors.runtime.transport import open_socket
 from messages.codec import Decoder
 from messages.common import ErrorReply
-from tests.runtime import hf_greedy, kv_stats, start_runtime, wait_until
+from tests.runtime import hf_greedy, kv_stats, start_runtime, stopped, wait_until
 
 MAX_NEW = 12
 
@@ -117,22 +117,29 @@ async def test_abort_and_disconnect_free_every_block(runtime):
     prompts = random_prompts(4, 20, 40, seed=3)
     tag = uuid.uuid4().hex[:8]
     cancelled, vanished = f"cancel-{tag}", f"vanish-{tag}"
-    async with open_client(runtime.endpoint) as client:
-        stream = client.stream(
-            prompt_ids=prompts[0], max_tokens=900, ignore_eos=True, request_id=cancelled
-        )
-        async for msg in stream:
-            if getattr(msg, "token_ids", None):
+
+    def admitted(rid: str) -> bool:
+        return bool(_of(runtime.events("request.admitted"), "scheduler", rid))
+
+    # the executor is stopped while the clients leave: both requests are admitted (they hold
+    # blocks) and cannot end first, however fast the model or loaded the machine
+    with stopped(runtime, "executor"):
+        async with open_client(runtime.endpoint) as client:
+            stream = client.stream(
+                prompt_ids=prompts[0], max_tokens=900, ignore_eos=True, request_id=cancelled
+            )
+            async for _ in stream:  # accepted
                 break
-        await stream.aclose()  # leaving the stream cancels the request
-    # a client that vanishes mid-request
-    async with open_client(runtime.endpoint) as client:
-        async for msg in client.stream(
-            prompt_ids=prompts[1], max_tokens=900, ignore_eos=True, request_id=vanished
-        ):
-            if getattr(msg, "token_ids", None):
+            await wait_until(lambda: admitted(cancelled), timeout=15)
+            await stream.aclose()  # leaving the stream cancels the request
+        # a client that vanishes mid-request
+        async with open_client(runtime.endpoint) as client:
+            async for _ in client.stream(
+                prompt_ids=prompts[1], max_tokens=900, ignore_eos=True, request_id=vanished
+            ):
                 break
-        client.close()
+            await wait_until(lambda: admitted(vanished), timeout=15)
+            client.close()
 
     def aborted_by_scheduler() -> bool:  # the scheduler's event, once per request
         evs = runtime.events("request.aborted")
@@ -148,7 +155,7 @@ async def test_abort_and_disconnect_free_every_block(runtime):
     aborted = runtime.events("request.aborted")
     assert [e["reason"] for e in _of(aborted, "scheduler", cancelled)] == ["cancel"]
     assert [e["reason"] for e in _of(aborted, "scheduler", vanished)] == ["disconnect"]
-    # both were stopped mid-generation and their blocks dropped, neither ran on to the end
+    # both were stopped while admitted and their blocks dropped, neither ran on to the end
     released = runtime.events("kv.released")
     for rid in (cancelled, vanished):
         assert [e["reason"] for e in _of(released, "kv_manager", rid)] == ["aborted"], rid
