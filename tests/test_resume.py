@@ -7,6 +7,7 @@ uninterrupted run, each streamed once; the KV pool is clean afterwards."""
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 
@@ -52,15 +53,27 @@ class Steps:
         self.offset += end
         return self.n
 
-    def killer(self, step: int, pid: int) -> subprocess.Popen:
-        """A process of its own that SIGKILLs ``pid`` once the log shows ``step`` steps and then
+    async def settled(self, rt) -> int:
+        """The steps logged once the executor is idle and its log has every step it made (it
+        logs a step after sending its tokens: the streams can end before its last steps are
+        in the log)."""
+
+        async def idle() -> int | None:
+            x = await query(rt.actor_endpoint("executor"), xm.Stats(), xm.ExecutorStats)
+            n = self.count()
+            return n if x.running == 0 and n >= x.steps else None
+
+        return await wait_until(idle, timeout=30)
+
+    def killer(self, step: int, pid: int, sig: int = signal.SIGKILL) -> subprocess.Popen:
+        """A process of its own that sends ``sig`` to ``pid`` once the log shows ``step`` steps, then
         exits 0 (terminated first, it never killed); returned once it watches. Not a thread of
         the test: behind the client's backlog of tokens (the GIL, a loaded machine) a thread
         read the log so late that the whole run had ended."""
         count = self.count()
         code = (
             "import os, signal, sys, time\n"
-            "path, off, n, step, pid = sys.argv[1], *map(int, sys.argv[2:])\n"
+            "path, off, n, step, pid, sig = sys.argv[1], *map(int, sys.argv[2:])\n"
             "print('ready', flush=True)\n"
             "while n < step:\n"
             "    time.sleep(0.002)\n"
@@ -70,16 +83,18 @@ class Steps:
             "    end = chunk.rfind(b'\\n') + 1\n"
             '    n += chunk[:end].count(b\'"event": "executor.step"\')\n'
             "    off += end\n"
-            "os.kill(pid, signal.SIGKILL)\n"
+            "os.kill(pid, sig)\n"
+            "print(f'killed at step {n}, time {time.time():.3f}', flush=True)\n"
         )
-        args = [str(self.path), str(self.offset), str(count), str(step), str(pid)]
+        args = [str(self.path), str(self.offset), str(count), str(step), str(pid), str(int(sig))]
         proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE)
         assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
         return proc
 
 
 async def run_all(rt, reqs: list[dict], on_token=None) -> dict[str, list[int]]:
-    """Stream every request at once; each stream's token ids in order (deltas as received)."""
+    """Stream every request at once; each stream's token ids in order (deltas as received).
+    ``on_token(request_id, n)``: a stream has received ``n`` tokens so far (-1: it ended)."""
     out: dict[str, list[int]] = {}
     async with open_client(rt.endpoint) as client:
 
@@ -89,9 +104,11 @@ async def run_all(rt, reqs: list[dict], on_token=None) -> dict[str, list[int]]:
                 if isinstance(msg, cm.Delta):
                     ids.extend(msg.token_ids)
                     if on_token is not None:
-                        on_token()
+                        on_token(spec["request_id"], len(ids))
                 elif isinstance(msg, cm.Final):
                     assert msg.usage.completion_tokens == len(ids), spec["request_id"]
+                    if on_token is not None:
+                        on_token(spec["request_id"], -1)
             out[spec["request_id"]] = ids
 
         async with trio.open_nursery() as nursery:
@@ -117,14 +134,7 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
         # log: a client's tokens can lag far behind on a busy machine (the tiny model ends the
         # whole workload in well under a second), so a count of streamed tokens could land
         # after everything ran.
-        # the executor logs a step after sending its tokens, so the streams can end before its
-        # last steps are in the log: count once it is idle and its log has every step it made
-        async def settled() -> int | None:
-            x = await query(rt.actor_endpoint("executor"), xm.Stats(), xm.ExecutorStats)
-            n = steps.count()
-            return n if x.running == 0 and n >= x.steps else None
-
-        took = await wait_until(settled, timeout=30)
+        took = await steps.settled(rt)
         # (the second run is shorter: its prompts are in the prefix cache)
         kill_at = took + random.Random(seed).randint(took // 16, took // 5)
         if victim == "kv_manager":
@@ -142,6 +152,8 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
         finally:
             killer.terminate()
             killed = killer.wait() == 0
+            assert killer.stdout is not None
+            said = killer.stdout.read().decode().strip()  # when the kill came, for a failure
         assert killed, f"the kill never happened: {steps.count() - took} steps"
         # restarted: the streams can all end first (a scheduler's death stops no running
         # request, and a slow client reads its tokens well after the executor made them)
@@ -157,7 +169,7 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
             assert not admitted, admitted[:3]
             assert all(e["output_tokens"] == 0 for e in events), events[:3]
             rebuilt = await wait_until(lambda: rt.events("kv.rebuilt"), timeout=30)
-            assert len(rebuilt) == 1 and rebuilt[0]["from_executor"] > 0, rebuilt
+            assert len(rebuilt) == 1 and rebuilt[0]["from_executor"] > 0, (rebuilt, said, took)
         elif victim == "scheduler":  # its successor reconciled from its peers' answers
             await wait_until(lambda: len(rt.events("scheduler.reconciled")) == 2, timeout=30)
             first, again = rt.events("scheduler.reconciled")  # at the start, after the restart
@@ -169,7 +181,7 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
             assert len(cut) <= again["queued"]
             assert all(e["output_tokens"] == 0 for e in events if e not in cut), events[:3]
         else:
-            assert events and all(victim in e["reason"] for e in events), events[:3]
+            assert events and all(victim in e["reason"] for e in events), (events[:3], said, took)
         if victim == "executor":  # its running requests died with it, some mid-decode
             assert any(e["output_tokens"] > 0 for e in events)
 
