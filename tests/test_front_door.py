@@ -17,6 +17,7 @@ from messages.codec import Decoder, encode
 from messages.common import PROTOCOL_VERSION, Hello, Ping, Pong
 from messages.tokenizer import Cancel
 from tests.runtime import hf_greedy, start_runtime, wait_until
+from tests.test_resume import Steps
 
 LONG = 600  # tokens: long enough that a request is still running while another client acts
 
@@ -69,23 +70,69 @@ class Raw:
         self.sock.close()
 
 
+class Stopper:
+    """The executor stopped (SIGSTOP) once it has made ``steps`` more steps, counted in its own
+    log by a process of its own: what a client does meanwhile happens while its request is
+    surely in flight, however far a loaded machine makes the clients lag behind the runtime.
+    ``resume()`` lets it run on; ``close()`` always does."""
+
+    def __init__(self, rt, steps: int) -> None:
+        log = Steps(rt.run_dir / "events" / "executor.jsonl")
+        self.pid = rt.pid_of("executor")
+        self.proc = log.killer(log.count() + steps, self.pid, signal.SIGSTOP)
+
+    async def stopped(self) -> None:
+        await wait_until(lambda: self.proc.poll() is not None, timeout=30, interval=0.01)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+        self.resume()
+
+
 async def test_two_clients_may_use_the_same_request_id(rt, tiny_model):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
-    async with open_client(rt.endpoint) as a, open_client(rt.endpoint) as b:
-        a_ids: list[int] = []
-        a_final = b_res = None
-        async for msg in a.stream(
-            prompt_ids=prompts[0], max_tokens=LONG, ignore_eos=True, request_id="1"
-        ):
-            if isinstance(msg, cm.Delta):
-                a_ids += msg.token_ids
-                if b_res is None:  # A's "1" is running: B uses "1" too, to the end
+    # A's "1" runs a few steps, then the executor is stopped: B's "1" arrives and A cancels its
+    # own while A's is surely in flight
+    stopper = Stopper(rt, 8)
+
+    def admitted_as_1() -> int:
+        return len([e for e in rt.events("request.admitted") if e["request_id"].startswith("1@")])
+
+    try:
+        async with open_client(rt.endpoint) as a, open_client(rt.endpoint) as b:
+            a_ids: list[int] = []
+            a_final = b_res = None
+            before = admitted_as_1()
+            async with trio.open_nursery() as nursery:
+
+                async def run_b() -> None:
+                    nonlocal b_res
                     b_res = await b.generate(prompt_ids=prompts[1], max_tokens=8, request_id="1")
+
+                async def b_then_cancel_a() -> None:
+                    await stopper.stopped()
+                    nursery.start_soon(run_b)  # B uses "1" too, to the end
+                    await wait_until(lambda: admitted_as_1() == before + 2, timeout=30)
                     await a.cancel("1")  # then A ends its own "1"
-            elif isinstance(msg, cm.Final):
-                a_final = msg
-        # each got its own request's tokens, and nothing of the other's
-        alone = await a.generate(prompt_ids=prompts[0], max_tokens=len(a_ids), ignore_eos=True)
+                    stopper.resume()
+
+                nursery.start_soon(b_then_cancel_a)
+                async for msg in a.stream(
+                    prompt_ids=prompts[0], max_tokens=LONG, ignore_eos=True, request_id="1"
+                ):
+                    if isinstance(msg, cm.Delta):
+                        a_ids += msg.token_ids
+                    elif isinstance(msg, cm.Final):
+                        a_final = msg
+            assert a_ids, "A's request made no token before it was cancelled"
+            alone = await a.generate(prompt_ids=prompts[0], max_tokens=len(a_ids), ignore_eos=True)
+    finally:
+        stopper.close()
+    # each got its own request's tokens, and nothing of the other's
     assert a_final is not None and a_final.finish_reason == "abort"  # A ran until it cancelled
     assert a_ids == alone.token_ids
     assert b_res is not None and b_res.request_id == "1" and b_res.finish_reason == "length"
@@ -109,19 +156,28 @@ async def test_a_client_cannot_see_or_cancel_another_clients_request(rt):
     other = Raw(rt.endpoint)
     try:
         await other.hello()
-        async with open_client(rt.endpoint) as owner:
+        stopper = Stopper(rt, 8)  # "x" in flight while the other client tries to cancel it
+        async with open_client(rt.endpoint) as owner, trio.open_nursery() as nursery:
             n = 0
             final = None
-            async for msg in owner.stream(
-                prompt_ids=[11, 12, 13, 14], max_tokens=LONG, ignore_eos=True, request_id="x"
-            ):
-                if isinstance(msg, cm.Delta):
-                    if not n:  # running: the other client tries to cancel "x"
-                        await other.send(Cancel(request_id="x"))
-                        await other.ping(1)
-                    n += len(msg.token_ids)
-                elif isinstance(msg, cm.Final):
-                    final = msg
+
+            async def other_cancels() -> None:
+                await stopper.stopped()
+                await other.send(Cancel(request_id="x"))
+                await other.ping(1)  # the front door has read the cancel
+                stopper.resume()
+
+            nursery.start_soon(other_cancels)
+            try:
+                async for msg in owner.stream(
+                    prompt_ids=[11, 12, 13, 14], max_tokens=LONG, ignore_eos=True, request_id="x"
+                ):
+                    if isinstance(msg, cm.Delta):
+                        n += len(msg.token_ids)
+                    elif isinstance(msg, cm.Final):
+                        final = msg
+            finally:
+                stopper.close()
         # it ran to its end, untouched
         assert final is not None and final.finish_reason == "length" and n == LONG
         assert final.usage.completion_tokens == LONG
@@ -136,14 +192,26 @@ async def test_a_client_cannot_see_or_cancel_another_clients_request(rt):
 
 
 async def test_own_cancel_still_works_and_frees_the_id(rt):
+    stopper = Stopper(rt, 4)  # "z" in flight when its client cancels it
     async with open_client(rt.endpoint) as c:
-        async for msg in c.stream(
-            prompt_ids=[7, 8, 9], max_tokens=LONG, ignore_eos=True, request_id="z"
-        ):
-            if isinstance(msg, cm.Delta):
+        final = None
+        async with trio.open_nursery() as nursery:
+
+            async def cancel() -> None:
+                await stopper.stopped()
                 await c.cancel("z")
-            elif isinstance(msg, cm.Final):
-                assert msg.finish_reason == "abort"
+                stopper.resume()
+
+            nursery.start_soon(cancel)
+            try:
+                async for msg in c.stream(
+                    prompt_ids=[7, 8, 9], max_tokens=LONG, ignore_eos=True, request_id="z"
+                ):
+                    if isinstance(msg, cm.Final):
+                        final = msg
+            finally:
+                stopper.close()
+        assert final is not None and final.finish_reason == "abort"
         again = await c.generate(prompt_ids=[7, 8, 9], max_tokens=3, request_id="z")
     assert again.finish_reason == "length" and len(again.token_ids) == 3
     assert [e["reason"] for e in rt.events("client.aborted") if e["client_request_id"] == "z"] == [
