@@ -11,7 +11,7 @@ import msgspec
 
 from actors.kv.reservation import grow_to
 from gpu.executor import Executor, StepResult
-from gpu.recovery import Flight
+from gpu.recovery import Flight, finished
 from messages.kv import Grow
 from messages.scheduler import RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
@@ -63,15 +63,7 @@ def step_messages(
             )  # (its PrefillDone went out when the step was planned)
         if out.finish_reason is not None:
             flight.pop(rid)
-            done = RequestDone(
-                request_id=rid,
-                attempt=fl.attempt,
-                status="finished",
-                kv_token_ids=fl.prompt + fl.outputs[:-1],
-                output_ids=fl.outputs,
-                finish_reason=out.finish_reason,
-            )
-            out_msgs.append(("scheduler", done))
+            out_msgs.append(("scheduler", finished(rid, fl, out.finish_reason)))
             continue
         # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
         # what the request can still write (a full reservation holds that from the start).

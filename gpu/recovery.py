@@ -41,6 +41,20 @@ class Flight:
         self.started = time.monotonic()
 
 
+def finished(rid: str, fl: Any, reason: str) -> RequestDone:
+    """What the scheduler is told when request ``rid`` ends: ``fl`` is its ``Flight`` (the
+    replay's executor passes its own, with the same ``attempt``, ``prompt`` and ``outputs``).
+    The last output's KV was never written: it is not among the cacheable tokens."""
+    return RequestDone(
+        request_id=rid,
+        attempt=fl.attempt,
+        status="finished",
+        kv_token_ids=fl.prompt + fl.outputs[:-1],
+        output_ids=fl.outputs,
+        finish_reason=reason,
+    )
+
+
 class RecoveryMixin:
     flight: dict[str, Flight]
     ex: Executor

@@ -16,6 +16,7 @@ from typing import Any
 from actors.kv.reservation import grow_to, kv_tokens_at_most
 from actors.replay.loop import Loop
 from actors.replay.stepmodel import StepModel
+from gpu.recovery import finished
 from gpu.requests import RequestState
 from gpu.step_plan import StepBudget, StepPlan, burst_end, fills_a_step, plan_step
 from messages import executor as xm
@@ -220,15 +221,7 @@ class SimExecutor:
             self.rec.record("executor.prefill_done", request_id=rid, ttft_s=ttft)
         if finish is not None:
             del self.flight[rid]
-            done = RequestDone(
-                request_id=rid,
-                attempt=fl.attempt,
-                status="finished",
-                kv_token_ids=fl.prompt + fl.outputs[:-1],
-                output_ids=fl.outputs,
-                finish_reason=finish,
-            )
-            send("scheduler", done)
+            send("scheduler", finished(rid, fl, finish))
             return
         # (the recorded outputs already end where the model's length ended them)
         at_most = kv_tokens_at_most(len(req.prompt), req.params.max_tokens - req.prior, NO_LIMIT)
