@@ -121,7 +121,7 @@ async def test_abort_and_disconnect_free_every_block(runtime):
     def admitted(rid: str) -> bool:
         return bool(_of(runtime.events("request.admitted"), "scheduler", rid))
 
-    # the executor is stopped while the clients leave: both requests are admitted (they hold
+    # the executor is stopped while each client leaves: its request is admitted (it holds
     # blocks) and cannot end first, however fast the model or loaded the machine
     with stopped(runtime, "executor"):
         async with open_client(runtime.endpoint) as client:
@@ -132,7 +132,8 @@ async def test_abort_and_disconnect_free_every_block(runtime):
                 break
             await wait_until(lambda: admitted(cancelled), timeout=15)
             await stream.aclose()  # leaving the stream cancels the request
-        # a client that vanishes mid-request
+    # a client that vanishes mid-request (the executor runs in between: the first abort ends)
+    with stopped(runtime, "executor"):
         async with open_client(runtime.endpoint) as client:
             async for _ in client.stream(
                 prompt_ids=prompts[1], max_tokens=900, ignore_eos=True, request_id=vanished
