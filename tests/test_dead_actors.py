@@ -15,6 +15,7 @@ import trio
 
 from actors.client import RequestError, open_client
 from tests.runtime import kv_stats, start_runtime, wait_until
+from tests.steps import Stopper
 
 ACTORS = ["tokenizer", "scheduler", "kv_manager", "executor"]
 
@@ -51,18 +52,30 @@ async def test_sigkill_actor_inflight_requests_resume_then_it_recovers(
                     outcomes.append((i, e))
 
             before = len(rt.events("executor.prefill_done"))  # the reference run's
-            async with trio.open_nursery() as nursery:
-                for i in range(6):
-                    nursery.start_soon(one, i)
-                # in flight: a prefill of this batch done (not the reference run's)
-                await wait_until(
-                    lambda: len(rt.events("executor.prefill_done")) > before, timeout=30
-                )
-                old_pid = rt.pid_of(victim)
-                killed_at = time.monotonic()
-                os.kill(old_pid, signal.SIGKILL)
-                await wait_until(lambda: len(outcomes) == 6, timeout=10 if front_door else 40)
-                ended_after = time.monotonic() - killed_at
+            # the front door's requests cannot end first: the executor is stopped a few steps
+            # in while it dies (on a loaded machine the test's reads lag so far behind that
+            # 1,000 tokens of the tiny model could outrun the kill)
+            stopper = Stopper(rt, 8) if front_door else None
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i in range(6):
+                        nursery.start_soon(one, i)
+                    if stopper is not None:
+                        await stopper.stopped()
+                    else:  # in flight: a prefill of this batch done (not the reference run's)
+                        await wait_until(
+                            lambda: len(rt.events("executor.prefill_done")) > before, timeout=30
+                        )
+                    old_pid = rt.pid_of(victim)
+                    killed_at = time.monotonic()
+                    os.kill(old_pid, signal.SIGKILL)
+                    if stopper is not None:
+                        stopper.resume()  # the executor runs on
+                    await wait_until(lambda: len(outcomes) == 6, timeout=10 if front_door else 40)
+                    ended_after = time.monotonic() - killed_at
+            finally:
+                if stopper is not None:
+                    stopper.close()
         if front_door:
             errors = [o for _, o in outcomes if isinstance(o, RequestError)]
             assert len(errors) == 6, outcomes  # 1000 tokens each: none could have finished

@@ -17,7 +17,7 @@ from messages.codec import Decoder, encode
 from messages.common import PROTOCOL_VERSION, Hello, Ping, Pong
 from messages.tokenizer import Cancel
 from tests.runtime import hf_greedy, start_runtime, wait_until
-from tests.test_resume import Steps
+from tests.steps import Stopper
 
 LONG = 600  # tokens: long enough that a request is still running while another client acts
 
@@ -68,29 +68,6 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
-
-
-class Stopper:
-    """The executor stopped (SIGSTOP) once it has made ``steps`` more steps, counted in its own
-    log by a process of its own: what a client does meanwhile happens while its request is
-    surely in flight, however far a loaded machine makes the clients lag behind the runtime.
-    ``resume()`` lets it run on; ``close()`` always does."""
-
-    def __init__(self, rt, steps: int) -> None:
-        log = Steps(rt.run_dir / "events" / "executor.jsonl")
-        self.pid = rt.pid_of("executor")
-        self.proc = log.killer(log.count() + steps, self.pid, signal.SIGSTOP)
-
-    async def stopped(self) -> None:
-        await wait_until(lambda: self.proc.poll() is not None, timeout=30, interval=0.01)
-
-    def resume(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait()
-        self.resume()
 
 
 async def test_two_clients_may_use_the_same_request_id(rt, tiny_model):

@@ -7,17 +7,14 @@ uninterrupted run, each streamed once; the KV pool is clean afterwards."""
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
-import sys
 
 import pytest
 import trio
 
 from actors.client import open_client
 from messages import client as cm
-from messages import executor as xm
-from tests.runtime import kv_stats, query, start_runtime, wait_until
+from tests.runtime import kv_stats, start_runtime, wait_until
+from tests.steps import Steps, said
 
 N = 32
 # chunked prefill of long prompts (several steps each), a batch cap that keeps some waiting,
@@ -36,60 +33,6 @@ def workload(seed: int) -> list[dict]:
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(90, 160) if long else 8)]
         reqs.append({"prompt_ids": prompt, "request_id": f"r{i}", **params})
     return reqs
-
-
-class Steps:
-    """Counts the ``executor.step`` lines of the executor's event log, reading only what is new."""
-
-    def __init__(self, path) -> None:
-        self.path, self.offset, self.n = path, 0, 0
-
-    def count(self) -> int:
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1  # whole lines only
-        self.n += chunk[:end].count(b'"event": "executor.step"')
-        self.offset += end
-        return self.n
-
-    async def settled(self, rt) -> int:
-        """The steps logged once the executor is idle and its log has every step it made (it
-        logs a step after sending its tokens: the streams can end before its last steps are
-        in the log)."""
-
-        async def idle() -> int | None:
-            x = await query(rt.actor_endpoint("executor"), xm.Stats(), xm.ExecutorStats)
-            n = self.count()
-            return n if x.running == 0 and n >= x.steps else None
-
-        return await wait_until(idle, timeout=30)
-
-    def killer(self, step: int, pid: int, sig: int = signal.SIGKILL) -> subprocess.Popen:
-        """A process of its own that sends ``sig`` to ``pid`` once the log shows ``step`` steps, then
-        exits 0 (terminated first, it never killed); returned once it watches. Not a thread of
-        the test: behind the client's backlog of tokens (the GIL, a loaded machine) a thread
-        read the log so late that the whole run had ended."""
-        count = self.count()
-        code = (
-            "import os, signal, sys, time\n"
-            "path, off, n, step, pid, sig = sys.argv[1], *map(int, sys.argv[2:])\n"
-            "print('ready', flush=True)\n"
-            "while n < step:\n"
-            "    time.sleep(0.002)\n"
-            "    with open(path, 'rb') as f:\n"
-            "        f.seek(off)\n"
-            "        chunk = f.read()\n"
-            "    end = chunk.rfind(b'\\n') + 1\n"
-            '    n += chunk[:end].count(b\'"event": "executor.step"\')\n'
-            "    off += end\n"
-            "os.kill(pid, sig)\n"
-            "print(f'killed at step {n}, time {time.time():.3f}', flush=True)\n"
-        )
-        args = [str(self.path), str(self.offset), str(count), str(step), str(pid), str(int(sig))]
-        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE)
-        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
-        return proc
 
 
 async def run_all(rt, reqs: list[dict], on_token=None) -> dict[str, list[int]]:
@@ -126,7 +69,7 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
     seed = {"executor": 6, "kv_manager": 8, "scheduler": 3}[victim]
     reqs = workload(seed)
     with start_runtime(tiny_model, tmp_path / "rt", *FLAGS) as rt:
-        steps = Steps(rt.run_dir / "events" / "executor.jsonl")
+        steps = Steps.of(rt)
         reference = await run_all(rt, reqs)  # uninterrupted
         assert all(len(reference[r["request_id"]]) == r["max_tokens"] for r in reqs)
 
@@ -150,10 +93,8 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
                     rt, [dict(r, request_id=r["request_id"] + "b") for r in reqs]
                 )
         finally:
-            killer.terminate()
-            killed = killer.wait() == 0
-            assert killer.stdout is not None
-            said = killer.stdout.read().decode().strip()  # when the kill came, for a failure
+            killed, when = said(killer)  # when the kill came, for a failure
+            print(when)
         assert killed, f"the kill never happened: {steps.count() - took} steps"
         # restarted: the streams can all end first (a scheduler's death stops no running
         # request, and a slow client reads its tokens well after the executor made them)
@@ -169,7 +110,7 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
             assert not admitted, admitted[:3]
             assert all(e["output_tokens"] == 0 for e in events), events[:3]
             rebuilt = await wait_until(lambda: rt.events("kv.rebuilt"), timeout=30)
-            assert len(rebuilt) == 1 and rebuilt[0]["from_executor"] > 0, (rebuilt, said, took)
+            assert len(rebuilt) == 1 and rebuilt[0]["from_executor"] > 0, (rebuilt, when, took)
         elif victim == "scheduler":  # its successor reconciled from its peers' answers
             await wait_until(lambda: len(rt.events("scheduler.reconciled")) == 2, timeout=30)
             first, again = rt.events("scheduler.reconciled")  # at the start, after the restart
@@ -181,7 +122,7 @@ async def test_sigkill_mid_stream_resumes_token_for_token(victim, tiny_model, tm
             assert len(cut) <= again["queued"]
             assert all(e["output_tokens"] == 0 for e in events if e not in cut), events[:3]
         else:
-            assert events and all(victim in e["reason"] for e in events), (events[:3], said, took)
+            assert events and all(victim in e["reason"] for e in events), (events[:3], when, took)
         if victim == "executor":  # its running requests died with it, some mid-decode
             assert any(e["output_tokens"] > 0 for e in events)
 

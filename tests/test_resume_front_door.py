@@ -15,7 +15,7 @@ from actors.client import ConnectionLost, SyncClient, open_client
 from messages import client as cm
 from messages import executor as xm
 from tests.runtime import kv_stats, query, start_runtime, stopped, wait_until
-from tests.test_resume import Steps
+from tests.steps import Steps
 from tests.test_resume import run_all as stream_all
 
 # An eighth into the second run, counted in the executor's own steps (a process of its own reads
@@ -48,7 +48,7 @@ def sync_stream(endpoint: str, seen: list[int]) -> list[int]:
 @pytest.mark.deadline(150)
 async def test_front_door_sigkill_clients_resume_exact(tiny_model, tmp_path):
     with start_runtime(tiny_model, tmp_path / "rt", "--max-batch-size", "4") as rt:
-        steps = Steps(rt.run_dir / "events" / "executor.jsonl")
+        steps = Steps.of(rt)
         reference = await stream_all(rt, SPECS)
         ref_sync = await trio.to_thread.run_sync(sync_stream, rt.endpoint, [])
         old_pid = rt.pid_of("tokenizer")
