@@ -7,7 +7,7 @@ import math
 
 
 def test_scaling_report_has_both_sweeps(tiny_model, tmp_path):
-    from actors.bench.scaling import main
+    from benchmarks.scaling import main
 
     out = tmp_path / "scaling"
     args = ["--model", str(tiny_model), "--batches", "1,8", "--contexts", "64,5000"]

@@ -49,7 +49,7 @@ def test_compare_rounds_interleave_the_systems_and_report_medians(
     """``--compare --rounds 2``: the pipeline runs twice (a runtime each time), the executor
     alone after each, and the report's rows are the rounds' medians beside each round's ratios
     (vLLM is left out here: it has its own venv and tests)."""
-    from actors.bench import compare
+    from benchmarks import compare
 
     monkeypatch.setattr(compare, "vllm_tok_s", lambda *a: (0.0, "not in this test"))
     out = tmp_path / "report"
@@ -74,3 +74,27 @@ def test_compare_rounds_interleave_the_systems_and_report_medians(
     # the rounds' table ends with each column's median, the ratios' medians the paired ones
     ratio = sorted(r["pipeline_over_executor"] for r in per)
     assert f"| median | {pipe:,.1f} |" in md and f"| {sum(ratio) / 2:.2f} |" in md
+
+
+def test_every_bench_mode_runs_from_a_checkout_and_serve_ships_in_the_package(tmp_path):
+    """`minirt bench MODE --help` works for every mode (the developer benchmarks from the
+    checkout's benchmarks/ folder, found from any working directory); only `serve` is in the
+    installed package."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    from actors.cli import _BENCH_MODES
+
+    root = Path(__file__).resolve().parents[1]
+    for mode in _BENCH_MODES:
+        got = subprocess.run(
+            [sys.executable, "-m", "actors.cli", "bench", mode, "--help"],
+            cwd=tmp_path,  # not the checkout: the CLI finds benchmarks/ itself
+            capture_output=True,
+            text=True,
+        )
+        assert got.returncode == 0 and "usage" in got.stdout, (mode, got.stderr[-2000:])
+    found = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert not any(p.startswith("benchmarks") for p in found["packages"]["find"]["include"])

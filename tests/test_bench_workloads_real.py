@@ -99,7 +99,7 @@ def test_serve_fits_the_workloads_to_the_model_context(tok):
 
 
 def test_vllm_env_preloads_tcmalloc_and_binds_threads(monkeypatch, tmp_path):
-    from actors.bench.vllm_row import vllm_env
+    from benchmarks.vllm_row import vllm_env
 
     lib = tmp_path / "libtcmalloc_minimal.so.4"
     monkeypatch.setenv("MINIRT_TCMALLOC", str(lib))

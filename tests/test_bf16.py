@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.bench.executor import workload
-from actors.bench.quality import compare
+from benchmarks.executor import workload
+from benchmarks.quality import compare
 from gpu.executor import Executor
 from messages.common import SamplingParams
 

@@ -5,7 +5,7 @@ float32: the executor's greedy tokens equal transformers' on the same device, to
 except where transformers' own top two logits are closer than ``near_tie`` (on cuda the two run
 different kernels in different reduction orders: cuBLAS, SDPA, and ours gathered; 1e-3 there,
 1e-5 on cpu). bfloat16: judged by tolerance against transformers in float32 under teacher forcing
-(actors/bench/quality.py), with transformers itself in bfloat16 on the same positions as the
+(benchmarks/quality.py), with transformers itself in bfloat16 on the same positions as the
 yardstick: ours may drift no more than it, plus a margin.
 """
 
@@ -72,7 +72,7 @@ def greedy_against_transformers(model_dir, prompts: list[list[int]], new_tokens:
 
 
 def bf16_against_transformers(model_dir, prompts: list[list[int]], new_tokens: int) -> dict:
-    from actors.bench import quality
+    from benchmarks import quality
 
     ref = quality.reference(model_dir, prompts, new_tokens, batch=1, device=DEVICE)
     ours = quality.agreement(
@@ -109,7 +109,7 @@ def test_bfloat16_drifts_no_more_than_transformers_bfloat16(tiny_models):
 
 @pytest.mark.smollm2
 def test_smollm2_float32_greedy_equals_transformers(smollm2):
-    from actors.bench.quality import real_text_prompts
+    from benchmarks.quality import real_text_prompts
 
     prompts, _ = real_text_prompts(smollm2, 4 if QUICK else 16, 32, 256, seed=0)
     got = greedy_against_transformers(smollm2, prompts, 32)
@@ -119,7 +119,7 @@ def test_smollm2_float32_greedy_equals_transformers(smollm2):
 
 @pytest.mark.smollm2
 def test_smollm2_bfloat16_drifts_no_more_than_transformers_bfloat16(smollm2):
-    from actors.bench.quality import real_text_prompts
+    from benchmarks.quality import real_text_prompts
 
     prompts, _ = real_text_prompts(smollm2, 4 if QUICK else 16, 32, 256, seed=0)
     bf16_against_transformers(smollm2, prompts, 32)

@@ -341,7 +341,7 @@ def test_logprobs(tiny_model):
 
 
 def test_bench_quick_runs(tiny_model, tmp_path):
-    from actors.bench.executor import main
+    from benchmarks.executor import main
 
     out = tmp_path / "bench.json"
     assert (
@@ -355,7 +355,7 @@ def test_bench_quick_runs(tiny_model, tmp_path):
 def test_bench_against_another_dtype_reports_paired_rounds(tiny_model, tmp_path):
     """``--against float32 --rounds 3``: bf16 and fp32 executors alternate in one process; each
     round's ratio is its own pair's, and the report's figure is their median."""
-    from actors.bench.executor import main
+    from benchmarks.executor import main
 
     out = tmp_path / "bench.json"
     argv = ["--model", str(tiny_model), "--quick", "--skip-hf", "--skip-cb", "--json", str(out)]
@@ -371,7 +371,7 @@ def test_bench_against_another_dtype_reports_paired_rounds(tiny_model, tmp_path)
 def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
     """``--profile``'s op table says where a step's time goes, the kernel library's C passes
     included: called through ctypes they are no torch op, and would be missing from it."""
-    from actors.bench.executor import main
+    from benchmarks.executor import main
     from gpu import paged_kernel
 
     if paged_kernel.kernel() is None:
@@ -386,7 +386,7 @@ def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_bench_quick_runs_cuda(tmp_path):
-    from actors.bench.executor import main
+    from benchmarks.executor import main
 
     out = tmp_path / "bench.json"
     assert main(["--quick", "--device", "cuda", "--dtype", "bfloat16", "--json", str(out)]) == 0

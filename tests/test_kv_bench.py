@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.bench.kv import main, time_eviction
 from actors.kv import Admitted, KVManager
+from benchmarks.kv import main, time_eviction
 
 
 def test_bench_main_prints_table_and_writes_json(

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.bench.http_load import TextJob, hit_rate, reference_texts, run_jobs, text_w2
-from actors.bench.scale_out import free_port, free_ports, replica_dirs, served_by
 from actors.eventlog import read_events
 from actors.launch.router import (
     RouterMissing,
@@ -28,6 +26,8 @@ from actors.launch.router import (
     router_workers,
     running_router,
 )
+from benchmarks.http_load import TextJob, hit_rate, reference_texts, run_jobs, text_w2
+from benchmarks.scale_out import free_port, free_ports, replica_dirs, served_by
 from tests.runtime import poll_until, start_runtime
 
 try:

@@ -23,8 +23,6 @@ import pytest
 import trio
 import zmq.auth
 
-from actors.bench.http_load import reference_texts, run_jobs, text_w2
-from actors.bench.scale_out import free_port, served_by
 from actors.eventlog import is_request, read_events
 from actors.launch.router import (
     RouterMissing,
@@ -34,6 +32,8 @@ from actors.launch.router import (
     running_router,
 )
 from actors.runtime.security import make_keys
+from benchmarks.http_load import reference_texts, run_jobs, text_w2
+from benchmarks.scale_out import free_port, served_by
 from tests.netns import Hosts, two_hosts, unavailable
 from tests.runtime import poll_until
 

@@ -152,7 +152,7 @@ def test_priority_preemption_only_when_configured():
 
 
 def test_scheduler_bench_keeps_batch_and_queue_sizes():
-    from actors.bench.scheduler import measure
+    from benchmarks.scheduler import measure
 
     for policy in ("fcfs", "lpm"):
         m = measure(policy, waiting=300, running=32, decisions=20)

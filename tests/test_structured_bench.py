@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from actors.bench.structured import main
+from benchmarks.structured import main
 
 
 def test_bench_structured_quick(tiny_model, tmp_path):

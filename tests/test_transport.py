@@ -5,8 +5,8 @@ from __future__ import annotations
 import trio
 import zmq
 
-from actors.bench.transport import run_pair
 from actors.runtime.transport import open_socket
+from benchmarks.transport import run_pair
 
 
 def test_100k_messages_each_way_between_two_processes_no_loss():

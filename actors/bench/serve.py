@@ -3,7 +3,7 @@
 Against a running runtime (``--run-dir``, default .minirt) or one it starts per variant
 (``--start --model DIR --variant NAME='--flag value ...'``). ``--compare`` adds, in the same run,
 the executor alone, vLLM's CPU backend and transformers' static batched generate and continuous
-batching on the same prompts (workloads whose requests all arrive at t=0; actors/bench/compare.py),
+batching on the same prompts (workloads whose requests all arrive at t=0; benchmarks/compare.py),
 ``--rounds N`` the pipeline, the executor alone and vLLM N times interleaved. ``--sweep`` runs Poisson arrivals at each
 rate. Writes report.json, README.md (Markdown summary) and PNG plots into ``--out``.
 
@@ -31,13 +31,24 @@ from typing import Any
 
 import trio
 
-from actors.bench.compare import ROUND_COLS
 from actors.bench.driver import drive
 from actors.bench.workloads import REAL_WORKLOADS, WORKLOADS, Job, load_tokenizer, poisson
 from actors.eventlog import read_events
 from actors.eventlog import summary as report
 from actors.launch.launch import actor_pids
 from actors.replay.runlog import keep_run, slug
+
+# the benchmarks' random-weight model (``minirt make-model qwen2 bench``), built on first use
+DEFAULT_MODEL = Path.home() / ".cache" / "minirt" / "models" / "bench-qwen2"
+# one row per --compare round (benchmarks/compare.py fills them)
+ROUND_COLS = [
+    "round",
+    "pipeline_tok_s",
+    "executor_alone_tok_s",
+    "vllm_tok_s",
+    "pipeline_over_executor",
+    "pipeline_over_vllm",
+]
 
 SUMMARY_COLS = [
     "run",
@@ -103,7 +114,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def default_bench_model() -> Path:
-    from actors.bench.executor import DEFAULT_MODEL
     from gpu.make_model import make_model
 
     if not (DEFAULT_MODEL / "config.json").exists():
@@ -252,8 +262,10 @@ def _compare(
     jobs: list[Job],
     data: dict[str, Any],
 ) -> list[str]:
-    """The ``--compare`` rows (actors.bench.compare), over ``--rounds`` interleaved rounds."""
-    from actors.bench.compare import compare
+    """The ``--compare`` rows (benchmarks.compare), over ``--rounds`` interleaved rounds."""
+    from actors.bench import developer_benchmark
+
+    compare = developer_benchmark("compare").compare
 
     first = next(iter(runs.values()))
 

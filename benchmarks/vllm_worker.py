@@ -1,4 +1,4 @@
-"""Runs inside vLLM's own venv (``actors.bench.vllm`` starts it): stdlib and vllm only, no minirt.
+"""Runs inside vLLM's own venv (``benchmarks/vllm_row.py`` starts it): stdlib and vllm only, no minirt.
 
 Reads a JSON job (argv[1]): the engine's settings and a list of runs, each a list of token-id
 prompts and ``max_tokens``; loads ``vllm.LLM`` once, warms it up, then times each run's
@@ -43,7 +43,7 @@ def _rss_mb() -> tuple[float, list[str]]:
 def main(job_path: str, out_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
-    # run as a script: its own folder (actors/bench) must not shadow installed packages
+    # run as a script: its own folder (benchmarks) must not shadow installed packages
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [x for x in sys.path if os.path.abspath(x or ".") != here]
     from vllm import LLM, SamplingParams

@@ -4,9 +4,9 @@
 W1: 64 requests, prompt lengths uniform in [32, 256] of random ids >= 16, 64 new tokens each,
 greedy, EOS ignored, seed 0, float32, 2 threads. Prints output tokens/s of each, the ratios, peak
 RSS and the compute-limit percentage (the workload's matmul FLOPs at the GEMM rate of the path
-the executor runs, see ``actors.bench.compute``, divided by our wall time); one request alone
+the executor runs, see ``benchmarks.compute``, divided by our wall time); one request alone
 (time per output token, time outside the forward); vLLM's CPU backend on the same prompts when
-its venv exists (``actors.bench.vllm_row``). ``--profile PATH`` writes torch.profiler's op table
+its venv exists (``benchmarks.vllm_row``). ``--profile PATH`` writes torch.profiler's op table
 of our run, and vLLM's worker's (the same prompts, its own torch.profiler) to PATH-vllm;
 ``--json PATH`` also writes the results.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = Path.home() / ".cache" / "minirt" / "models" / "bench-qwen2"
+from actors.bench.serve import DEFAULT_MODEL
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
             from gpu.make_model import make_model
 
             make_model("qwen2", "bench", model_dir)
-    from actors.bench import compute
+    from benchmarks import compute
     from gpu.executor import Executor
     from gpu.loader import load_spec
 
@@ -316,7 +316,7 @@ def main(argv: list[str]) -> int:
         f"{res['compute_limit_pct']:.1f}% of compute limit"
     )
     if not a.skip_vllm and dev.type == "cpu":
-        from actors.bench.vllm_row import bench_row
+        from benchmarks.vllm_row import bench_row
 
         theirs = vllm_profile_path(a.profile)
         res.update(

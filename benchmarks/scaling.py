@@ -79,7 +79,7 @@ def decode_seconds(ex, prompts: list[list[int]], steps: int) -> float:
 def run_minirt(a, model: Path, pts, vocab: int) -> list[float]:
     """Seconds of ``steps`` decode steps at each point, for our executor, timed step by step
     (the same quantity as vLLM's difference of two runs, with less noise)."""
-    from actors.bench.executor import run_ours, workload
+    from benchmarks.executor import run_ours, workload
     from gpu.executor import Executor
 
     need = max(b * -(-(c + a.steps + 1) // 16) for _, b, c in pts) + 16
@@ -96,7 +96,7 @@ def run_minirt(a, model: Path, pts, vocab: int) -> list[float]:
 def run_vllm(a, model: Path, pts, spec) -> list[float] | str:
     """The same for vLLM, or why it was skipped. Its KV space: the largest point's tokens, x1.5,
     in float32, rounded up to GiB."""
-    from actors.bench import vllm_row
+    from benchmarks import vllm_row
 
     vocab, max_len = spec.vocab_size, spec.max_model_len
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4

@@ -24,10 +24,10 @@ from typing import Any
 
 import trio
 
-from actors.bench.http_load import HttpRecord, hit_rate, reference_texts, run_jobs, text_w2
 from actors.eventlog import is_request, read_events
 from actors.eventlog import summary as report
 from actors.launch.router import RouterSpec, running_router
+from benchmarks.http_load import HttpRecord, hit_rate, reference_texts, run_jobs, text_w2
 
 COLS = [
     "run",

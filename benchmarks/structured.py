@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from actors.bench.executor import DEFAULT_MODEL, workload
+from benchmarks.executor import DEFAULT_MODEL, workload
 
 TOKENIZER_32K = Path.home() / ".cache" / "minirt" / "tokenizers" / "bpe-32k"
 

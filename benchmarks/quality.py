@@ -248,7 +248,7 @@ def vllm_agreement(
     """vLLM's CPU backend in ``dtype`` on the same positions: each prompt followed by
     transformers' greedy tokens, scored in one prefill (``prompt_logprobs``), so every position
     is judged on the same context as ours; or why it was skipped."""
-    from actors.bench import vllm_row
+    from benchmarks import vllm_row
 
     forced = ref.tokens
     got = vllm_row.score(
@@ -282,7 +282,7 @@ def _row(out: dict, prefix: str, label: str, got: Agreement) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from actors.bench.executor import DEFAULT_MODEL, workload
+    from benchmarks.executor import DEFAULT_MODEL, workload
     from gpu.loader import load_spec
 
     p = argparse.ArgumentParser(prog="minirt bench quality", description=__doc__)

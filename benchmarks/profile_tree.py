@@ -19,7 +19,10 @@ def main(tree: str, out: str, title: str) -> None:
     sys.path.insert(0, str(Path(tree).resolve()))
     import torch
 
-    from actors.bench.executor import DEFAULT_MODEL, run_ours, workload
+    try:
+        from benchmarks.executor import DEFAULT_MODEL, run_ours, workload
+    except ImportError:  # a tree from before the benchmarks left the package
+        from actors.bench.executor import DEFAULT_MODEL, run_ours, workload  # type: ignore
     from gpu.executor import Executor
     from gpu.loader import load_spec
 

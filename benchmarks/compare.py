@@ -18,14 +18,6 @@ from typing import Any
 
 EXECUTOR = "executor alone (same process, no actors)"
 VLLM = "vLLM CPU offline LLM.generate"
-ROUND_COLS = [
-    "round",
-    "pipeline_tok_s",
-    "executor_alone_tok_s",
-    "vllm_tok_s",
-    "pipeline_over_executor",
-    "pipeline_over_vllm",
-]
 
 
 def executor_alone(model: Path, prompts: list[list[int]], new: int) -> tuple[float, list, Any]:
@@ -33,8 +25,8 @@ def executor_alone(model: Path, prompts: list[list[int]], new: int) -> tuple[flo
     runtime's default budgets (a smaller one would slow this row down)."""
     import torch
 
-    from actors.bench import executor as be
     from actors.runtime.config import ExecutorConfig, SchedulerConfig
+    from benchmarks import executor as be
     from gpu.executor import Executor
     from gpu.loader import load_spec
 
@@ -60,7 +52,7 @@ def vllm_tok_s(
 ) -> tuple[float, str]:
     """vLLM's tok/s on the prompts (with its prefix cache, as the pipeline has one), or 0 and
     why it was skipped."""
-    from actors.bench.vllm_row import bench_row
+    from benchmarks.vllm_row import bench_row
     from gpu.loader import load_spec
 
     v = bench_row(
@@ -82,7 +74,7 @@ def hf_rows(model: Path, prompts: list[list[int]], new: int, n: int, dt: Any) ->
     """transformers' static batched ``generate`` and ``generate_batch`` on the prompts."""
     from transformers import AutoModelForCausalLM
 
-    from actors.bench import executor as be
+    from benchmarks import executor as be
     from gpu.loader import load_spec
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dt).eval()

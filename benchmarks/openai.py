@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from actors.bench.openai_report import write_report
-from actors.bench.openai_servers import ensure_venv, run_client, vllm_server, wait_health
 from actors.bench.serve import default_bench_model
+from benchmarks.openai_report import write_report
+from benchmarks.openai_servers import ensure_venv, run_client, vllm_server, wait_health
 
 WORK = Path(".minirt/bench-openai")
 
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def http_cost(a: argparse.Namespace, model: Path, url: str, rt: Any) -> list[dict[str, Any]]:
-    from actors.bench.openai_cost import measure
     from actors.bench.workloads import w1
+    from benchmarks.openai_cost import measure
 
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     jobs = w1(vocab, seed=0, n=a.num_prompts, new_tokens=a.output_len)
