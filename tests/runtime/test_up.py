@@ -1,0 +1,78 @@
+"""`minirt up` as a user runs it: ready line, generate from another process, Ctrl-C cleans up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tests.support.runtime import start_runtime
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); read its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_generate_events_and_ctrl_c_leaves_no_process(tiny_model, tmp_path):
+    run_dir = tmp_path / "rt"
+    with start_runtime(tiny_model, run_dir) as rt:
+        cli = [sys.executable, "-m", "actors.cli"]
+        out = subprocess.run(
+            [
+                *cli,
+                "generate",
+                "--run-dir",
+                str(run_dir),
+                "--json",
+                "--max-tokens",
+                "5",
+                "hello world",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        result = json.loads(out.stdout)
+        assert result["usage"]["completion_tokens"] == len(result["token_ids"]) >= 1
+        streamed = subprocess.run(
+            [*cli, "generate", "--run-dir", str(run_dir), "--max-tokens", "5", "hello"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert "[" in streamed.stderr  # finish reason and usage line
+        trace = subprocess.run(
+            [*cli, "trace", result["request_id"], "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        for event in (
+            "client.received",
+            "request.queued",
+            "request.admitted",
+            "kv.allocated",
+            "executor.prefill_done",
+            "request.finished",
+            "client.completed",
+        ):
+            assert event in trace, event
+        pids = [rt.pid_of(a) for a in ("tokenizer", "scheduler", "kv_manager", "executor")]
+        assert all(_alive(p) for p in pids)
+        os.killpg(rt.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert rt.proc.wait(timeout=20) == 0
+        assert not any(_alive(p) for p in pids), "an actor outlived minirt up"
