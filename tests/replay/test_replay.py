@@ -10,15 +10,16 @@ import random
 
 import pytest
 import trio
+import trio.testing
 
-from actors.bench.driver import drive
 from actors.bench.workloads import Job
+from actors.client import RequestError, open_client
 from actors.eventlog import read_events, trace_lines
 from actors.eventlog import summary as bench_report
 from actors.replay import sim, stepmodel, workload
 from actors.replay.cli import main
 from messages.tokenizer import client_request_id
-from tests.support.runtime import start_runtime
+from tests.support.runtime import start_runtime, stopped
 
 BS = 16
 
@@ -29,16 +30,15 @@ def _blocks(job: Job) -> int:
 
 def waves() -> tuple[list[list[Job]], int]:
     """Requests whose prompt + max_tokens is 401 tokens (26 blocks; the last one also holds the
-    executor's one block of lookahead, so none outgrows its full reservation), in waves, each
-    sent half a second after the one before has ended (never at fixed times, which a loaded
-    machine overruns; the half second is the replay's slack: its simulated steps may end a wave
-    a little later than the recording did), a wave's requests in one burst (sends spaced even
-    2 ms apart were spread further than a request lasts by a machine that descheduled the
-    client between them): a warm-up request (the fresh runtime's slow first steps); 8 requests
-    of 200, 216, ... new tokens, the first with an 80-token prefix, in a pool that holds 7: the
-    last one queued is refused until the first finishes (its blocks are all the refused one
-    needs, however many frees arrive together); one request with the prefix (cached once it is
-    prefilled); 9 more sharing it (212, 224, ... new tokens): 8 fit, the 9th waits.
+    executor's one block of lookahead, so none outgrows its full reservation), in waves (each
+    sent half a second after the one before has ended: the replay's slack, as its simulated
+    steps may end a wave a little later than the recording did; a wave's requests reach the
+    front door together, see ``send``): a warm-up request (the fresh runtime's slow first
+    steps); 8 requests of 200, 216, ... new tokens, the first with an 80-token prefix, in a pool
+    that holds 7: the last one queued is refused until the first finishes (its blocks are all
+    the refused one needs, however many frees arrive together); one request with the prefix
+    (cached once it is prefilled); 9 more sharing it (212, 224, ... new tokens): 8 fit, the 9th
+    waits.
     Returns the waves and the pool size."""
     rng = random.Random(5)
 
@@ -50,13 +50,39 @@ def waves() -> tuple[list[list[Job]], int]:
     for i in range(8):
         m = 200 + 16 * i
         prompt = shared + ids(401 - m - 80) if i == 0 else ids(401 - m)
-        first.append(Job(f"a{i}", prompt, m, at=0.5))
+        first.append(Job(f"a{i}", prompt, m))
     second = [
-        Job(f"s{j}", shared + ids(401 - (200 + 12 * j) - 80), 200 + 12 * j, at=0.5)
-        for j in range(1, 10)
+        Job(f"s{j}", shared + ids(401 - (200 + 12 * j) - 80), 200 + 12 * j) for j in range(1, 10)
     ]
-    out = [[Job("warm", ids(25), 8)], first, [Job("s0", shared + ids(25), 8, at=0.5)], second]
+    out = [[Job("warm", ids(25), 8)], first, [Job("s0", shared + ids(25), 8)], second]
     return out, 7 * _blocks(first[0]) + 2
+
+
+async def send(rt, wave: list[Job]) -> list:
+    """The wave's requests, arriving at the front door together: it is stopped while a client
+    (welcomed before) sends them all (until every task waits for an answer), then let go. A
+    loaded machine deschedules the client between two sends of a burst for longer than a request
+    of the tiny model lasts, and the recording would then hold another workload than the waves.
+    Each request's result, or its RequestError."""
+    out: list = []
+
+    async def one(client, job: Job) -> None:
+        try:
+            out.append(
+                await client.generate(
+                    prompt_ids=job.prompt, max_tokens=job.max_tokens, ignore_eos=True,
+                    request_id=job.rid,
+                )
+            )  # fmt: skip
+        except RequestError as e:
+            out.append(e)
+
+    async with open_client(rt.endpoint) as client, trio.open_nursery() as nursery:
+        with stopped(rt, "tokenizer"):
+            for job in wave:
+                nursery.start_soon(one, client, job)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +90,17 @@ def recorded(tiny_model, tmp_path_factory):
     todo, pool = waves()
     run = tmp_path_factory.mktemp("replay") / "run"
     flags = ("--num-blocks", str(pool), "--kv-mode", "full", "--chunk-cap", "64")
+
+    async def record(rt) -> None:
+        for i, wave in enumerate(todo):
+            if i:
+                await trio.sleep(0.5)  # the gap between waves (the replay's slack)
+            results = await send(rt, wave)
+            assert len(results) == len(wave)
+            assert not [r for r in results if isinstance(r, RequestError)], results
+
     with start_runtime(tiny_model, run, *flags, "--step-budget", "128") as rt:
-        for wave in todo:
-            records, _ = trio.run(drive, rt.endpoint, wave, 256)
-            assert not [r.error for r in records if r.error]
+        trio.run(record, rt)
     return run
 
 
