@@ -67,20 +67,20 @@ RUN set -eu; \
     pip install ${index:+--extra-index-url "$index"} "$spec"; \
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# A C compiler: the executor builds its paged decode attention kernel (gpu/paged_kernel.py) on
-# first use, for the CPU it runs on; without one it falls back to the slower tensor path.
+# C and C++ compilers: the install builds the CPU kernels (gpu/csrc, setup.py) against torch, one
+# build per instruction set, so the image runs on any x86-64 CPU; a failed build fails the image.
 RUN apt-get update -qq \
-    && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
+    && apt-get install -y -qq --no-install-recommends gcc g++ libc6-dev >/dev/null \
     && rm -rf /var/lib/apt/lists/*
 
 # The project's dependencies, from pyproject.toml alone (source edits do not invalidate this layer).
 COPY pyproject.toml /opt/minirt-src/pyproject.toml
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/opt/minirt-src/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt "setuptools>=70.1" \
     && rm /tmp/requirements.txt
 
 # The project itself (.dockerignore keeps the context to pyproject.toml, README.md and the code).
 COPY . /opt/minirt-src/
-RUN pip install --no-deps /opt/minirt-src && rm -rf /opt/minirt-src/build /opt/minirt-src/*.egg-info
+RUN pip install --no-build-isolation --no-deps /opt/minirt-src && rm -rf /opt/minirt-src/build /opt/minirt-src/*.egg-info
 
 USER minirt

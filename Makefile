@@ -6,11 +6,12 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test lint typecheck pytest test-slow clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard gpu/csrc/*)
 	@start=$$(date +%s); \
 	test -x $(PY) || python3 -m venv $(VENV); \
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"; \
-	$(PY) -m pip install -q -e ".[dev]" && touch $(STAMP) && \
+	$(PY) -m pip install -q "setuptools>=70.1" && \
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]" && touch $(STAMP) && \
 	echo "minirt: install took $$(( $$(date +%s) - start ))s"
 
 install: $(STAMP)
@@ -23,7 +24,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy messages actors tokenizer_svc
+	$(VENV)/bin/mypy messages actors tokenizer_svc gpu
 
 pytest: install
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

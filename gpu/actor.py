@@ -27,6 +27,7 @@ import trio
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from gpu.executor import Executor, ExecutorInputError, StepResult
+from gpu.kernels import isa as kernel_isa
 from gpu.kv_cache import resolve_num_blocks
 from gpu.paged_kernel import usable
 from gpu.publish import step_messages
@@ -87,10 +88,11 @@ class ExecutorActor(RecoveryMixin, Actor):
             block_size=self.ex.block_size,
             kv_bytes=self.ex.kv_bytes,
             max_model_len=self.ex.max_model_len,
-            # the C kernel needs a C compiler where the executor runs (the image has one)
+            # the kernel library's operator (gpu/kernels.py), in the instruction set it runs
             decode_attention="paged_kernel"
             if usable(self.ex.device, self.ex.kv_dtype)
             else "tensor",
+            kernel_isa=kernel_isa() if self.ex.device.type == "cpu" else None,
             **dataclasses.asdict(self.ex.budget),
             burst_wait_ms=cfg.executor.burst_wait_ms,
         )

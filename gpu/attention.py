@@ -167,11 +167,11 @@ def build_metadata(
             torch.tensor([(t[: p // bs + 1] + [0] * width)[:width] for t, p in decodes])
         ] if decodes else []  # fmt: skip
         lens_parts = [torch.tensor([p + 1 for p in ends])] if decodes else []
-        for table, start, length in prefills if prefill_kernel else []:
+        for ptable, start, length in prefills if prefill_kernel else []:
             nblk = (start + length - 1) // bs + 1
-            row = torch.zeros(width, dtype=torch.long)
-            row[:nblk] = torch.tensor(table[:nblk])
-            tabs.append(row.expand(length, width))  # one table for the chunk's rows
+            trow = torch.zeros(width, dtype=torch.long)
+            trow[:nblk] = torch.tensor(ptable[:nblk])
+            tabs.append(trow.expand(length, width))  # one table for the chunk's rows
             lens_parts.append(torch.arange(start + 1, start + length + 1))
         if tabs:
             tables, lens = torch.cat(tabs), torch.cat(lens_parts)
@@ -183,10 +183,10 @@ def build_metadata(
     in_order = len(members) == 1  # one group: rows need no selecting or scattering
     for member in members:
         nblk = max(decodes[r][1] for r in member) // bs + 1
-        table = torch.tensor(
+        gtable = torch.tensor(
             [(decodes[r][0][:nblk] + [0] * nblk)[:nblk] for r in member], dtype=torch.long
         )
-        blocks = (heads[:, :, None] * cache.num_blocks + table[None]).reshape(-1).to(device)
+        blocks = (heads[:, :, None] * cache.num_blocks + gtable[None]).reshape(-1).to(device)
         ctx = torch.tensor([decodes[r][1] + 1 for r in member], dtype=torch.long)
         pad = torch.arange(nblk * bs)[None, :] >= ctx[:, None]
         bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
@@ -195,10 +195,10 @@ def build_metadata(
     chunks: list[PrefillChunk] = []
     row = len(decodes)
     parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
-    for table, start, length in prefills:
+    for ptable, start, length in prefills:
         end = start + length
         nblk = (end + bs - 1) // bs
-        blk = torch.tensor(table[:nblk], dtype=torch.long)
+        blk = torch.tensor(ptable[:nblk], dtype=torch.long)
         ctx_slots = (blk[:, None] * bs + torch.arange(bs)).reshape(-1)[:end]
         parts.append(ctx_slots[start:])
         if start == 0 or prefill_kernel:

@@ -1,6 +1,6 @@
-"""The float32 forward's elementwise chains as single C passes (``gpu/cpu_ops.c``, built into the
-paged kernel's library): RoPE, RMSNorm, the gated MLP's SiLU-and-multiply, the greedy argmax
-and the KV cache write.
+"""The float32 forward's elementwise chains as single C passes (``gpu/csrc/cpu_ops.c``, operators
+of the kernel library, :mod:`gpu.kernels`): RoPE, RMSNorm, the gated MLP's SiLU-and-multiply, the
+greedy argmax and the KV cache write.
 torch runs each as 1-8 ops; at a batch-64 decode step their dispatch and allocation is most of
 the cost, and torch's bfloat16 elementwise ops widen and round at every op.
 
@@ -13,11 +13,10 @@ exp).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from gpu import paged_kernel, switched_off
+from gpu import switched_off
+from gpu.kernels import ops
 
 _ON = not switched_off("MINIRT_CPU_OPS")
 
@@ -25,7 +24,7 @@ _ON = not switched_off("MINIRT_CPU_OPS")
 def _lib(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
     if not _ON or x.device.type != "cpu" or x.dtype not in dtypes:
         return None
-    return paged_kernel.kernel()
+    return ops()
 
 
 def rope(
@@ -38,15 +37,7 @@ def rope(
         return None
     if not (cos.is_contiguous() and sin_signed.is_contiguous() and positions.dtype == torch.long):
         return None
-    t, heads, d = x.shape
-    out = torch.empty(t, heads, d, dtype=x.dtype)
-    pos = positions.contiguous()
-    with paged_kernel.named("minirt::rope"):
-        lib.rope_f32(
-            x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(),
-            t, heads, d, out.data_ptr(),
-        )  # fmt: skip
-    return out
+    return lib.rope(x, cos, sin_signed, positions)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -54,12 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     lib = _lib(x)
     if lib is None or x.dim() != 2 or x.stride(1) != 1 or weight.dtype != torch.float32:
         return None
-    t, n = x.shape
-    out = torch.empty(t, n, dtype=x.dtype)
-    w = weight.contiguous()
-    with paged_kernel.named("minirt::rms_norm"):
-        lib.rms_norm_f32(x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, out.data_ptr())
-    return out
+    return lib.rms_norm(x, weight, eps)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
@@ -68,11 +54,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     lib = _lib(logits)
     if lib is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
         return None
-    rows, n = logits.shape
-    out = torch.empty(rows, dtype=torch.long)
-    with paged_kernel.named("minirt::argmax"):
-        lib.argmax_f32(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
-    return out
+    return lib.argmax(logits)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -81,12 +63,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     lib = _lib(gate_up, (torch.float32, torch.bfloat16))
     if lib is None or gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
         return None
-    rows, f = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, f, dtype=gate_up.dtype)
-    fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
-    with paged_kernel.named("minirt::silu_mul"):
-        fn(gate_up.data_ptr(), gate_up.stride(0), rows, f, out.data_ptr())
-    return out
+    return lib.silu_mul(gate_up)
 
 
 def kv_write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> bool:
@@ -100,16 +77,7 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> bool:
         return False
     if slots.dtype != torch.long or slots.dim() != 1 or slots.shape[0] != x.shape[0]:
         return False
-    es = x.element_size()
-    s = slots.contiguous()
-    heads, num_slots, d = cache.shape
-    with paged_kernel.named("minirt::kv_write"):
-        bad = lib.kv_write(
-            x.data_ptr(), x.stride(0) * es, x.stride(1) * es, s.data_ptr(), x.shape[0],
-            heads, d * es, num_slots, cache.data_ptr(),
-        )  # fmt: skip
-    if bad:
-        raise IndexError(f"{bad} KV slot(s) outside the cache's {num_slots} slots")
+    lib.kv_write(cache, slots, x)  # IndexError: a slot outside the cache
     return True
 
 
@@ -125,30 +93,17 @@ _ROWS_DTYPES = (torch.float32, torch.bfloat16)
 def pack_rows(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (``[N, K]``, float32 or bfloat16) copied into :func:`rows_linear`'s layout
     (blocks of 12 rows, k-major inside a block; in bfloat16 each 32-bit word a pair along k:
-    ``gpu/decode_gemm.c``), or None where the kernel does not run (no library, no AVX-512 or, in
+    ``gpu/csrc/decode_gemm.c``), or None where the kernel does not run (no library, no AVX-512 or, in
     bfloat16, no avx512_bf16 or an odd K; CUDA; another dtype)."""
     lib = _lib(weight, _ROWS_DTYPES)
     if lib is None or weight.dim() != 2:
         return None
-    n, k = weight.shape
-    w = weight.contiguous()
     if weight.dtype == torch.bfloat16:
-        if not lib.rows_gemm_bf16_vector() or k % 2:
+        if not lib.has_vector("rows_bf16") or weight.shape[1] % 2:
             return None
-        out = torch.empty(lib.rows_packed_len_bf16(n, k), dtype=torch.int32)
-        lib.rows_pack_bf16(w.data_ptr(), n, k, out.data_ptr())
-        return out
-    if not lib.rows_gemm_vector():
+    elif not lib.has_vector("rows_f32"):
         return None
-    out = torch.empty(lib.rows_packed_len(n, k), dtype=torch.float32)
-    lib.rows_pack_f32(w.data_ptr(), n, k, out.data_ptr())
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _scratch_len(lib, m: int, k: int, bf16: bool) -> int:
-    """Words of the kernel's scratch for ``m`` rows of ``k`` (asked once per shape)."""
-    return int(lib.rows_scratch_len_bf16(m, k) if bf16 else lib.rows_scratch_len(m, k))
+    return lib.pack_rows(weight)
 
 
 def rows_linear(
@@ -165,13 +120,4 @@ def rows_linear(
     bf16 = packed.dtype == torch.int32
     if bf16 != (x.dtype == torch.bfloat16) or (bf16 and (x.stride(0) % 2 or x.data_ptr() % 4)):
         return None
-    k = x.shape[1]
-    scratch = torch.empty(_scratch_len(lib, m, k, bf16), dtype=packed.dtype)
-    out = torch.empty(m, n, dtype=x.dtype)
-    gemm = lib.rows_gemm_bf16 if bf16 else lib.rows_gemm_f32
-    with paged_kernel.named("minirt::rows_linear"):
-        gemm(
-            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
-            bias.data_ptr() if bias is not None else None, n, k, scratch.data_ptr(), out.data_ptr(),
-        )  # fmt: skip
-    return out
+    return lib.rows_linear(x, packed, bias, n)

@@ -134,7 +134,7 @@ class Executor:
         self._decoding: dict[str, RequestState] = {}
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
-            model_dir, self.vocab_size, self.eos_token_ids, self.device
+            model_dir, self.vocab_size, list(self.eos_token_ids), self.device
         )
 
     # ---- request management -------------------------------------------------------------

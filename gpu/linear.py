@@ -16,7 +16,7 @@ call. :meth:`Linear.warm_up` builds all of them at load (like CUDA graph capture
 engines), so the first requests pay no kernel builds and RSS is flat from then on.
 
 Decode row counts (1..64 rows) in float32 run the kernel library's own linear instead
-(:func:`gpu.cpu_ops.rows_linear`, ``gpu/decode_gemm.c``) from a second copy of the weight laid out
+(:func:`gpu.cpu_ops.rows_linear`, ``gpu/csrc/decode_gemm.c``) from a second copy of the weight laid out
 for it: at those counts every weight comes from memory once per step for a few dozen
 multiply-adds, and oneDNN's kernel stalls on those reads (a step costs about the memory time plus
 the arithmetic time); the library's streams the copy and prefetches ahead while it computes.
@@ -149,6 +149,7 @@ class Linear:
             if out is not None:
                 return out
         if self.packed is None or 0 < m <= self.gemv_rows:
+            assert self.weight is not None  # kept unpacked, or kept plain for the gemv rows
             return F.linear(x, self.weight, self.bias)
         if m <= TILE_ROWS:
             return self._tile(x)

@@ -123,7 +123,8 @@ def apply_processors(
     bias = [(j, p.bias_ids, p.bias_vals) for j, p in enumerate(procs) if p.bias_ids is not None]
     if bias:
         r, t = _flat([(j, ids) for j, ids, _ in bias])
-        x.index_put_((r, t), torch.cat([v for _, _, v in bias]), accumulate=True)
+        vals = [v for _, _, v in bias if v is not None]  # set with bias_ids, always
+        x.index_put_((r, t), torch.cat(vals), accumulate=True)
 
     banned = [
         (j, p.stop_ids)

@@ -277,6 +277,7 @@ class LlamaFamilyModel:
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
                 q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), rot)
+                assert ly.k_norm is not None  # Qwen3 has both norms or neither
                 k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), rot)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
             # Row tiles from here to the layer's end, on CPU of TILE_ROWS: the linears tile there

@@ -64,6 +64,7 @@ class RecoveryMixin:
     kv_down: bool  # the KV manager died: growth waits for its successor
     holding_due: bool  # its successor answers: send it kv_holding
     recent_done: deque[tuple[float, RequestDone]]
+    mailbox: deque[Any]
 
     if TYPE_CHECKING:  # the Actor base's
 

@@ -51,7 +51,9 @@ class PendingCompiles:
         t0 = time.perf_counter()
         result: Compiled | GrammarError
         try:
-            result, _ = await trio.to_thread.run_sync(self.engine.compile, msg.params.structured)
+            spec = msg.params.structured
+            assert spec is not None  # only constrained requests wait here
+            result, _ = await trio.to_thread.run_sync(self.engine.compile, spec)
         except GrammarError as e:
             result = e
         deliver(Done(msg, result, time.perf_counter() - t0))

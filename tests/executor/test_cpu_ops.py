@@ -1,6 +1,8 @@
 """The fused C passes of the float32 forward (gpu.cpu_ops) compute what the torch expressions
 they replace compute: RoPE and the KV write bit for bit, RMSNorm and SiLU-and-multiply up to
-float rounding; and they step aside (None) where they do not apply."""
+float rounding; and they step aside (None) where they do not apply. Each test runs under every
+instruction-set build of the kernels this CPU runs (the ``isa`` fixture), the portable one
+included."""
 
 from __future__ import annotations
 
@@ -8,11 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_ops, paged_kernel
+from gpu import cpu_ops, kernels
 
-pytestmark = pytest.mark.skipif(
-    paged_kernel.kernel() is None, reason="no C compiler: the kernels are not built here"
-)
+pytestmark = pytest.mark.usefixtures("isa")
 
 
 @pytest.mark.parametrize(("rows", "heads", "d"), [(1, 10, 64), (64, 10, 64), (700, 16, 128)])
@@ -108,15 +108,14 @@ def test_kv_write_stores_what_index_copy_stores_and_refuses_slots_outside(dtype)
     assert not cpu_ops.kv_write(got.to(torch.float16), slots, k.to(torch.float16))
 
 
-_ROWS = pytest.mark.skipif(
-    paged_kernel.kernel() is None or not paged_kernel.kernel().rows_gemm_vector(),
-    reason="no AVX-512: the decode-row linear is not built here",
-)
+@pytest.fixture
+def rows_kernel(isa):
+    if not kernels.ops().has_vector("rows_f32"):
+        pytest.skip(f"the {isa} build has no decode-row linear (AVX-512 only): oneDNN runs")
 
 
-@_ROWS
 @pytest.mark.parametrize(("n", "k"), [(1152, 896), (37, 50), (12, 7), (25, 300)])
-def test_rows_linear_equals_f_linear_up_to_rounding_at_every_decode_row_count(n, k):
+def test_rows_linear_equals_f_linear_up_to_rounding_at_every_decode_row_count(n, k, rows_kernel):
     torch.manual_seed(n + k)
     w, b = torch.randn(n, k), torch.randn(n)
     packed = cpu_ops.pack_rows(w)
@@ -135,8 +134,7 @@ def test_rows_linear_equals_f_linear_up_to_rounding_at_every_decode_row_count(n,
     assert cpu_ops.rows_linear(torch.randn(cpu_ops.ROWS_MAX + 1, k), packed, b, n) is None
 
 
-@_ROWS
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(rows_kernel):
     """Each output is one multiply-add chain over K, whichever body the row count picks: a
     request decodes to the same logits alone or in a batch of 64."""
     torch.manual_seed(1)
@@ -146,3 +144,41 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
     full = cpu_ops.rows_linear(x, packed, None, 300)
     for m in (1, 4, 5, 16, 17, 33):
         assert torch.equal(cpu_ops.rows_linear(x[:m], packed, None, 300), full[:m])
+
+
+def test_the_operators_check_their_arguments_and_name_them():
+    """torch's dispatcher checks each call against the operator's schema; the kernels then
+    check dtypes, shapes and layouts, and an error names the argument (no raw pointer reaches a
+    kernel unchecked, as it did through ctypes)."""
+    lib = kernels.ops()
+    x, tab = torch.randn(2, 3, 8), torch.randn(10, 8)
+    with pytest.raises(RuntimeError, match="positions: one per row of x"):
+        lib.rope(x, tab, tab, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="x: Float expected, got Double"):
+        lib.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="weight: 8 elements expected"):
+        lib.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-6)
+    with pytest.raises(RuntimeError, match="minirt::rope"):  # the schema: four tensors
+        lib.rope(x, tab)
+    with pytest.raises(RuntimeError, match="not one this CPU runs"):
+        lib.use_isa("avx9000")
+    assert lib.isa() in lib.isas()
+
+
+def test_a_build_without_a_compiler_fails_the_install_and_says_why(tmp_path):
+    """The kernels are built by the install (setup.py): without a compiler the install fails,
+    naming it, instead of a runtime that silently runs slower code."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
+    build = ["build_ext", "--build-temp", str(tmp_path / "t"), "--build-lib", str(tmp_path / "l")]
+    got = subprocess.run(
+        [sys.executable, "setup.py", "-q", *build], cwd=root, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert got.returncode != 0
+    assert "no C compiler" in got.stdout + got.stderr, got.stderr[-2000:]

@@ -369,13 +369,13 @@ def test_bench_against_another_dtype_reports_paired_rounds(tiny_model, tmp_path)
 
 
 def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
-    """``--profile``'s op table says where a step's time goes, the kernel library's C passes
-    included: called through ctypes they are no torch op, and would be missing from it."""
+    """``--profile``'s op table says where a step's time goes, the kernel library's operators
+    included, each under its own name."""
     from benchmarks.executor import main
     from gpu import paged_kernel
 
     if paged_kernel.kernel() is None:
-        pytest.skip("the kernel library does not build here (no C compiler)")
+        pytest.skip("the kernel library is switched off (MINIRT_PAGED_KERNEL=0)")
     prof = tmp_path / "profile.txt"
     argv = ["--model", str(tiny_model), "--quick", "--skip-hf", "--skip-cb", "--profile", str(prof)]
     assert main(argv) == 0

@@ -8,7 +8,7 @@
  *
  * Every output is one float32 fused multiply-add chain over k in order, whatever M is and
  * whichever body runs: a row's result does not depend on the other rows of the batch.
- * Built into the paged kernel's library (gpu/paged_kernel.py), with OpenMP on torch's runtime. */
+ * Built into the paged kernel's library (gpu/csrc/ops.cpp), with OpenMP on torch's runtime. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,5 +1,5 @@
-/* Decode attention read in place from the paged KV cache (see gpu/paged_kernel.py, which builds
- * and loads this file). One task per (request, KV head): score the group's query heads against
+/* Decode attention read in place from the paged KV cache (the minirt::paged_decode operator,
+ * ops.cpp; setup.py builds it once per instruction set). One task per (request, KV head): score the group's query heads against
  * the request's context, softmax, sum the values; float32 accumulation, K/V in float32 or bf16.
  *
  * Two bodies. With AVX-512 and a head_dim that is a multiple of 16 (every model here), the

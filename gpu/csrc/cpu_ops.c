@@ -1,5 +1,5 @@
-/* Elementwise chains of the float32 forward in one pass each (built with gpu/paged_decode.c into
- * one library, see gpu/paged_kernel.py). torch runs each as 4-8 ops, each with its own
+/* Elementwise chains of the float32 forward in one pass each (built with paged_decode.c into
+ * one library of torch operators, see ops.cpp and setup.py). torch runs each as 4-8 ops, each with its own
  * dispatch, allocation and pass over memory; at decode sizes (64 rows of 512) that overhead is
  * most of their cost.
  *
