@@ -11,7 +11,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard gpu/csrc/*)
 	test -x $(PY) || python3 -m venv $(VENV); \
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"; \
 	$(PY) -m pip install -q "setuptools>=70.1" && \
-	$(PY) -m pip install -q --no-build-isolation -e ".[dev]" && touch $(STAMP) && \
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]" && \
+	$(PY) -c "from gpu import kernels as k; o = k.library(); print('minirt: kernels', ' '.join(o.isas()), '- this CPU runs', o.isa())" && \
+	touch $(STAMP) && \
 	echo "minirt: install took $$(( $$(date +%s) - start ))s"
 
 install: $(STAMP)

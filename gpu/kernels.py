@@ -28,7 +28,8 @@ class KernelsNotBuilt(RuntimeError):
 
 
 @functools.cache
-def _load() -> Any:
+def library() -> Any:
+    """``torch.ops.minirt``, loaded once (whatever the A/B switches say)."""
     found = sorted(Path(__file__).parent.glob("_kernels*.so"))
     if not found:
         raise KernelsNotBuilt(
@@ -44,7 +45,7 @@ def ops() -> Any:
     """``torch.ops.minirt`` (the library loaded on first use), or None where switched off."""
     if switched_off("MINIRT_PAGED_KERNEL"):
         return None
-    return _load()
+    return library()
 
 
 def isa() -> str | None:
