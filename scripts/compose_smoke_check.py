@@ -130,7 +130,7 @@ def events(run_dir: Path, out_dir: Path) -> int:
         if '"executor.config"' in line
     ]
     paths = {c.get("decode_attention") for c in configs}
-    if paths != {"paged_kernel"}:  # the image's C compiler built the decode attention kernel
+    if paths != {"paged_kernel"}:  # the image's install built the kernel library
         print(
             f"events: executor.config decode_attention {sorted(map(str, paths))}", file=sys.stderr
         )

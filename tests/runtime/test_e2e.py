@@ -135,12 +135,16 @@ async def test_abort_and_disconnect_free_every_block(runtime):
     # a client that vanishes mid-request (the executor runs in between: the first abort ends)
     with stopped(runtime, "executor"):
         async with open_client(runtime.endpoint) as client:
-            async for _ in client.stream(
+            # the stream is kept: an abandoned one is finalized at the next checkpoint, which
+            # cancels its request (a "cancel", not the "disconnect" this case is about)
+            stream = client.stream(
                 prompt_ids=prompts[1], max_tokens=900, ignore_eos=True, request_id=vanished
-            ):
+            )
+            async for _ in stream:
                 break
             await wait_until(lambda: admitted(vanished), timeout=15)
-            client.close()
+            client.close()  # gone without a word: a closed connection sends no cancel
+            await stream.aclose()
 
     def aborted_by_scheduler() -> bool:  # the scheduler's event, once per request
         evs = runtime.events("request.aborted")
