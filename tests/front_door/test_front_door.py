@@ -74,7 +74,7 @@ async def test_two_clients_may_use_the_same_request_id(rt, tiny_model):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     # A's "1" runs a few steps, then the executor is stopped: B's "1" arrives and A cancels its
     # own while A's is surely in flight
-    stopper = Stopper(rt, 8)
+    stopper = await Stopper.start(rt, 8)
 
     def admitted_as_1() -> int:
         return len([e for e in rt.events("request.admitted") if e["request_id"].startswith("1@")])
@@ -133,7 +133,9 @@ async def test_a_client_cannot_see_or_cancel_another_clients_request(rt):
     other = Raw(rt.endpoint)
     try:
         await other.hello()
-        stopper = Stopper(rt, 8)  # "x" in flight while the other client tries to cancel it
+        stopper = await Stopper.start(
+            rt, 8
+        )  # "x" in flight while the other client tries to cancel it
         async with open_client(rt.endpoint) as owner, trio.open_nursery() as nursery:
             n = 0
             final = None
@@ -169,7 +171,7 @@ async def test_a_client_cannot_see_or_cancel_another_clients_request(rt):
 
 
 async def test_own_cancel_still_works_and_frees_the_id(rt):
-    stopper = Stopper(rt, 4)  # "z" in flight when its client cancels it
+    stopper = await Stopper.start(rt, 4)  # "z" in flight when its client cancels it
     async with open_client(rt.endpoint) as c:
         final = None
         async with trio.open_nursery() as nursery:

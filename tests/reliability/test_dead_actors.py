@@ -55,7 +55,7 @@ async def test_sigkill_actor_inflight_requests_resume_then_it_recovers(
             # the front door's requests cannot end first: the executor is stopped a few steps
             # in while it dies (on a loaded machine the test's reads lag so far behind that
             # 1,000 tokens of the tiny model could outrun the kill)
-            stopper = Stopper(rt, 8) if front_door else None
+            stopper = await Stopper.start(rt, 8) if front_door else None
             try:
                 async with trio.open_nursery() as nursery:
                     for i in range(6):

@@ -73,12 +73,12 @@ class Steps:
         logs a step after sending its tokens: the streams can end before its last steps are
         in the log)."""
 
-        async def idle() -> int | None:
+        async def idle() -> list[int] | None:  # [n]: truthy even for a fresh executor's 0
             x = await query(rt.actor_endpoint("executor"), xm.Stats(), xm.ExecutorStats)
             n = self.count()
-            return n if x.running == 0 and n >= x.steps else None
+            return [n] if x.running == 0 and n >= x.steps else None
 
-        return await wait_until(idle, timeout=30)
+        return (await wait_until(idle, timeout=30))[0]
 
     def killer(self, step: int, pid: int, sig: int = signal.SIGKILL) -> subprocess.Popen:
         """A process that sends ``sig`` to ``pid`` once the log shows ``step`` steps, says when
@@ -102,12 +102,20 @@ def said(proc: subprocess.Popen) -> tuple[bool, str]:
 class Stopper:
     """The executor stopped (SIGSTOP) once it has made ``steps`` more steps: what a client does
     meanwhile happens while its request is surely in flight, however far a loaded machine makes
-    the clients lag behind the runtime. ``resume()`` lets it run on; ``close()`` always does."""
+    the clients lag behind the runtime. Made by :meth:`start`, which first waits until the
+    executor is idle and has logged every step it made (a runtime shared between tests may
+    still be logging the steps of the one before, which would count). ``resume()`` lets it run
+    on; ``close()`` always does."""
 
-    def __init__(self, rt: Any, steps: int) -> None:
-        log = Steps.of(rt)
+    def __init__(self, rt: Any, log: Steps, steps: int) -> None:
         self.pid = rt.pid_of("executor")
         self.proc = log.killer(log.count() + steps, self.pid, signal.SIGSTOP)
+
+    @classmethod
+    async def start(cls, rt: Any, steps: int) -> Stopper:
+        log = Steps.of(rt)
+        await log.settled(rt)
+        return cls(rt, log, steps)
 
     async def stopped(self) -> None:
         await wait_until(lambda: self.proc.poll() is not None, timeout=30, interval=0.01)
