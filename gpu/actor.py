@@ -8,9 +8,10 @@ manager for blocks *ahead of need* (one block of lookahead), so a step never wai
 trip. It blocks only when it has nothing to run; with nothing running, it waits for a burst
 being admitted (``x_run.more``) before its first step.
 
-A constrained request (``params.structured``) whose constraint is not in the executor's grammar
-cache is compiled in a worker thread while the steps go on, and joins the batch when compiled;
-a preemption or abort meanwhile is answered at once.
+A constrained request (``params.structured``) comes with the grammar the front door compiled
+(``Run.grammar``); when its matcher is not in the executor's cache it is built in a worker thread
+while the steps go on, and joins the batch when built; a preemption or abort meanwhile is
+answered at once. The executor validates nothing the front door did (``gpu/requests.py``).
 """
 
 from __future__ import annotations
@@ -289,8 +290,8 @@ class ExecutorActor(RecoveryMixin, Actor):
             self._compiled(msg, found, 0.0, cache_hit=True)
         elif self.nursery is not None:
             self.compiling.wait(self.nursery, msg, self._deliver)
-        else:  # not serving (a test driving the actor's handlers): compile here
-            self._start(msg, None)
+        else:  # not serving (a test driving the actor's handlers): build it here
+            self._compiled(msg, self.compiling.build(msg), 0.0, cache_hit=False)
 
     def _deliver(self, done: Done) -> None:
         self.mailbox.append(done)

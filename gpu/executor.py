@@ -27,7 +27,7 @@ from gpu.requests import (
     RequestState,
     StepResult,
     TokenOutput,
-    check_request,
+    check_invariants,
 )
 from gpu.sampling import is_greedy, row_logprobs, sample
 from gpu.step_plan import StepBudget, fills_a_step, plan_step
@@ -157,24 +157,26 @@ class Executor:
         sampling indices, ``max_tokens`` and ``num_output_tokens`` continue from there, so a seeded
         request yields the same tokens as if never preempted.
 
-        ``grammar``: ``params.structured`` compiled beforehand (``self.structured.compile``,
-        e.g. in a worker thread); without it a constrained request is compiled here (cached).
-        Its matcher replays the prior outputs.
+        ``grammar``: ``params.structured``'s matcher, built beforehand from the front door's
+        grammar (the actor: ``self.structured.cache.build`` in a worker thread); a caller that
+        drives the executor directly (tests, benchmarks) may leave it out, and the constraint is
+        compiled here (cached). Its matcher replays the prior outputs.
 
-        Raises ExecutorInputError naming the request and field; on error nothing changes.
+        The request is trusted (the front door validated it): only the invariants that keep
+        the KV pool whole are checked (``check_invariants``). Raises ExecutorInputError naming
+        the request and field; on error nothing changes.
         """
 
         if request_id in self._prefilling or request_id in self._decoding:
             raise ExecutorInputError(request_id, "request_id", "already in flight")
         prompt, table = list(prompt_ids), list(block_table)
-        check_request(
+        check_invariants(
             request_id,
             prompt,
             params,
             table,
             num_cached_tokens,
             prior_output_tokens,
-            vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
             block_size=self.block_size,

@@ -24,6 +24,7 @@ class Run(Msg, tag="x_run"):
     cached_tokens: int = 0
     output_offset: int = 0
     more: bool = False  # another admission is out: an idle executor waits for it (burst_wait_ms)
+    grammar: str = ""  # ``Submit.grammar``: the front door's compiled constraint
 
 
 class Extend(Msg, tag="x_extend"):

@@ -22,6 +22,9 @@ class Submit(Msg, tag="submit"):
     output_ids: list[int] = []
     resumes: int = 0  # how many lost attempts (admitted, or streaming) were resumed
     resume_reason: str = ""  # set on every submission after a loss: why (the actor that died)
+    # ``params.structured`` as the front door compiled it (llguidance's grammar, JSON text): the
+    # executor builds its matcher from this, never from the client's constraint
+    grammar: str = ""
 
 
 class Abort(Msg, tag="abort"):

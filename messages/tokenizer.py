@@ -48,6 +48,9 @@ class Generate(Msg, tag="generate"):
     # Resuming a request after the service restarted: the token ids the client already received
     # (in order). The service continues after them: only new tokens are streamed.
     resume_ids: list[int] = []
+    # No max_tokens of the client's own (OpenAI chat's default): the request may generate what the
+    # context leaves after its prompt; ``params.max_tokens`` is replaced by that.
+    fill_context: bool = False
     # The client takes a step's messages for this connection batched into one ``Batch`` frame
     # (the trio client does: one frame per step instead of one per token per stream).
     batch: bool = False

@@ -40,7 +40,7 @@ from messages.tokenizer import (
     TokenizerInbound,
 )
 from tokenizer_svc.clients import ClientEndpoint
-from tokenizer_svc.requests import Invalid, tokenize_request
+from tokenizer_svc.requests import Invalid, Prompts, check_request
 from tokenizer_svc.resume import Resume, already_ended, check_resume_ids
 from tokenizer_svc.resuming import Live, ResumingMixin
 from tokenizer_svc.streams import Stream, completed
@@ -71,6 +71,7 @@ class TokenizerService(ResumingMixin, Actor):
             self._send_to_client, self._clients_gone, self.boot_id, self.log, self._wake_reader
         )
         self.live: dict[str, Live] = {}  # by runtime-wide id
+        self.prompts = Prompts()
 
     def open(self) -> None:
         super().open()
@@ -194,9 +195,13 @@ class TokenizerService(ResumingMixin, Actor):
                 self.clients.close(ident, rid)
 
     def _admit(self, ident: bytes, internal: str, rid: str, msg: Generate) -> None:
-        """Tokenize and validate; then open the stream and submit, or refuse naming the field."""
+        """Validate, tokenize and compile the constraint, once for the whole runtime (the
+        scheduler and the executor trust what passes); then open the stream and submit, or
+        refuse naming the field."""
         try:
-            ids = tokenize_request(msg, self.tokenizer, self.vocab_size, self.max_model_len)
+            checked = check_request(
+                msg, self.tokenizer, self.vocab_size, self.max_model_len, self.prompts
+            )
         except Invalid as e:
             self.log.info(
                 "client.rejected",
@@ -208,7 +213,8 @@ class TokenizerService(ResumingMixin, Actor):
             )
             self._refuse(ident, rid, ErrorCode(e.code), str(e), e.field)
             return
-        why = check_resume_ids(msg.resume_ids, msg.params, self.vocab_size)
+        ids, params = checked.ids, checked.params
+        why = check_resume_ids(msg.resume_ids, params, self.vocab_size)
         if why:
             self._refuse(ident, rid, ErrorCode.INVALID, f"resume_ids: {why}", "resume_ids")
             return
@@ -218,17 +224,17 @@ class TokenizerService(ResumingMixin, Actor):
             len(ids),
             msg.stop,
             trio.current_time(),
-            want_logprobs=msg.params.logprobs is not None,
-            min_tokens=getattr(msg.params, "min_tokens", 0),
+            want_logprobs=params.logprobs is not None,
+            min_tokens=params.min_tokens,
         )
-        resume = Resume(ids, msg.params, time.time())
+        resume = Resume(ids, params, time.time(), grammar=checked.grammar)
         live = self.live[internal] = Live(ident, internal, stream, resume)
         self.clients.send(ident, cm.Accepted(request_id=rid, prompt_tokens=len(ids)))
         if msg.resume_ids:  # the client resumes a stream its connection's predecessor lost
             stream.prime(msg.resume_ids)
             resume.resumes, resume.reason = 1, "tokenizer restarted"
             self.log.info("client.resumed", request_id=internal, output_tokens=len(msg.resume_ids))
-            ended = already_ended(msg.resume_ids, msg.params, self.eos_ids)
+            ended = already_ended(msg.resume_ids, params, self.eos_ids)
             if ended is not None:  # everything was received but the final
                 self._finish(live, ended, None)
                 return

@@ -1,12 +1,20 @@
-"""Validation and tokenization of client requests (pure: tokenizer in, token ids or an error out)."""
+"""Validation and tokenization of client requests (pure: tokenizer in, token ids or an error out).
+
+This is the runtime's one trust boundary: every request, whether a ZeroMQ client or the HTTP
+server sent it, is checked here once (fields, token ids, lengths), tokenized once (chat template
+included) and its constraint compiled once; the scheduler and the executor trust what passed.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gpu.structured.grammar import GrammarCache, GrammarError, hf_llg_tokenizer
-from messages.common import ErrorCode, StructuredOutput, validate_params
+from messages.common import ErrorCode, SamplingParams, StructuredOutput, validate_params
 from messages.tokenizer import Generate
 
 MAX_STOP_STRINGS = 16
@@ -38,19 +46,52 @@ def grammar_cache(tokenizer: Any, vocab_size: int) -> GrammarCache:
     return found[1]
 
 
-def check_structured(s: StructuredOutput, tokenizer: Any, vocab_size: int) -> None:
-    """Raises ``Invalid`` (``params.structured.<kind>``) if the grammar engine cannot compile
+def check_structured(s: StructuredOutput, tokenizer: Any, vocab_size: int) -> str:
+    """``s`` compiled: llguidance's grammar (JSON text), which the executor builds its matcher
+    from. Raises ``Invalid`` (``params.structured.<kind>``) if the grammar engine cannot compile
     ``s``: a bad schema, a keyword it does not implement, an invalid regex or grammar."""
     try:
-        grammar_cache(tokenizer, vocab_size).compile(s)
+        return grammar_cache(tokenizer, vocab_size).compile(s)[0].grammar
     except GrammarError as e:
         raise Invalid(ErrorCode.INVALID, f"params.{e.field}", e.reason) from None
 
 
-def tokenize_request(
-    msg: Generate, tokenizer: Any, vocab_size: int, max_model_len: int
-) -> list[int]:
-    """The prompt's token ids, or raises ``Invalid`` naming the field and why."""
+@dataclass
+class Checked:
+    """A request that passed: its prompt's ids, its params (``max_tokens`` resolved where the
+    client left it to the context) and its constraint compiled (``""``: none)."""
+
+    ids: list[int]
+    params: SamplingParams
+    grammar: str = ""
+
+
+class Prompts:
+    """The latest prompts tokenized, by their text (a few: the ``n`` choices of one HTTP
+    request arrive as ``n`` requests with the same prompt, and are tokenized once)."""
+
+    def __init__(self, capacity: int = 32) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
+
+    def ids(self, tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+        key = (text, add_special_tokens)
+        found = self._lru.get(key)
+        if found is None:
+            found = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+            self._lru[key] = found
+            if len(self._lru) > self.capacity:
+                self._lru.popitem(last=False)
+        else:
+            self._lru.move_to_end(key)
+        return list(found)
+
+
+def check_request(
+    msg: Generate, tokenizer: Any, vocab_size: int, max_model_len: int, prompts: Prompts
+) -> Checked:
+    """The request checked, tokenized and its constraint compiled, or raises ``Invalid``
+    naming the field and why."""
     given = [n for n in ("prompt", "messages", "prompt_ids") if getattr(msg, n) is not None]
     if len(given) != 1:
         raise Invalid(
@@ -58,19 +99,38 @@ def tokenize_request(
             "prompt",
             f"exactly one of prompt, messages, prompt_ids must be set (got {given or 'none'})",
         )
-    bad = validate_params(msg.params, vocab_size)
+    params = msg.params
+    if msg.fill_context:  # checked with the most it could be; resolved once the prompt is known
+        params = msgspec.structs.replace(params, max_tokens=max_model_len)
+    bad = validate_params(params, vocab_size)
     if bad is not None:
         raise Invalid(ErrorCode.INVALID, f"params.{bad[0]}", bad[1])
-    if msg.params.structured is not None:
-        check_structured(msg.params.structured, tokenizer, vocab_size)
+    grammar = ""
+    if params.structured is not None:
+        grammar = check_structured(params.structured, tokenizer, vocab_size)
     if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):
         raise Invalid(
             ErrorCode.INVALID, "stop", f"at most {MAX_STOP_STRINGS} non-empty stop strings"
         )
+    ids = _prompt_ids(msg, tokenizer, vocab_size, prompts)
+    _check_length(len(ids), params.max_tokens if not msg.fill_context else 1, max_model_len)
+    if msg.fill_context:
+        room = max_model_len - len(ids)
+        if params.min_tokens > room:
+            raise Invalid(
+                ErrorCode.INVALID,
+                "params.min_tokens",
+                f"{params.min_tokens} is more than the {room} tokens the context leaves",
+            )
+        params = msgspec.structs.replace(params, max_tokens=room)
+    return Checked(ids, params, grammar)
+
+
+def _prompt_ids(msg: Generate, tokenizer: Any, vocab_size: int, prompts: Prompts) -> list[int]:
     if msg.prompt is not None:
         if not msg.prompt:
             raise Invalid(ErrorCode.INVALID, "prompt", "must not be empty")
-        ids = list(tokenizer(msg.prompt, add_special_tokens=msg.add_special_tokens)["input_ids"])
+        ids = prompts.ids(tokenizer, msg.prompt, msg.add_special_tokens)
     elif msg.messages is not None:
         if not msg.messages:
             raise Invalid(ErrorCode.INVALID, "messages", "must not be empty")
@@ -82,7 +142,7 @@ def tokenize_request(
             )
         except Exception as e:
             raise Invalid(ErrorCode.INVALID, "messages", f"chat template failed: {e}") from None
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = prompts.ids(tokenizer, text, False)
     else:
         ids = list(msg.prompt_ids or [])
         if not ids:
@@ -96,19 +156,24 @@ def tokenize_request(
             )
     if not ids:
         raise Invalid(ErrorCode.INVALID, "prompt", "tokenizes to zero tokens")
-    if len(ids) >= max_model_len:
+    return ids
+
+
+def _check_length(n: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse (``too_long``, OpenAI's ``context_length_exceeded``) a prompt of ``n`` tokens
+    that leaves no room for ``max_tokens`` more in the context."""
+    if n >= max_model_len:
         raise Invalid(
             ErrorCode.TOO_LONG,
             "prompt",
-            f"{len(ids)} tokens; max_model_len is {max_model_len} (the model's context, capped "
-            "by what the KV pool holds)",
+            f"This model's maximum context length is {max_model_len} tokens (the model's "
+            f"context, capped by what the KV pool holds); the prompt has {n}",
         )
-    if len(ids) + msg.params.max_tokens > max_model_len:
+    if n + max_tokens > max_model_len:
         raise Invalid(
             ErrorCode.TOO_LONG,
             "params.max_tokens",
-            f"prompt ({len(ids)} tokens) + max_tokens ({msg.params.max_tokens}) exceeds "
-            f"max_model_len {max_model_len} (the model's context, capped by what the KV pool "
-            "holds)",
+            f"This model's maximum context length is {max_model_len} tokens (the model's "
+            f"context, capped by what the KV pool holds); you requested {n + max_tokens} "
+            f"tokens ({n} in the prompt, {max_tokens} for the completion)",
         )
-    return ids

@@ -34,6 +34,7 @@ class Resume:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float  # wall clock, kept across resumes
+    grammar: str = ""  # params.structured as the front door compiled it (Submit.grammar)
     resumes: int = 0
     progressed: bool = False  # admitted or streamed a token since it was last submitted
     pending_since: float | None = None  # trio clock; None while submitted
@@ -59,6 +60,7 @@ class Resume:
             output_ids=list(output_ids),
             resumes=self.resumes,
             resume_reason=self.reason,
+            grammar=self.grammar,
         )
 
     def lost(self, reason: str, now: float) -> str:

@@ -39,6 +39,7 @@ class RequestError(RuntimeError):
         super().__init__(f"{reply.code}{where}: {reply.message}")
         self.code = str(reply.code)
         self.field = reply.field
+        self.message = reply.message
         self.request_id = reply.request_id
 
 

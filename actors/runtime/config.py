@@ -178,6 +178,29 @@ class HttpConfig:
     served_model_name: str = field(
         default="", metadata=doc("the model's name in the API (default: --model as given)")
     )
+    keep_alive_s: float = field(
+        default=5.0,
+        metadata=doc(
+            "close a connection with no request in progress after this many seconds, one "
+            "still sending its request headers included",
+            flag="http-keep-alive-s",
+        ),
+    )
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata=doc(
+            "a request body must arrive whole within this many seconds (else 408)",
+            flag="http-body-timeout-s",
+        ),
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=doc(
+            "open connections at most; a connection past it is answered 503 and closed "
+            "(0: no limit)",
+            flag="http-max-connections",
+        ),
+    )
 
 
 @dataclass

@@ -1,12 +1,17 @@
-"""The scheduler core's state and the primitives every part of it uses: send, free, fail, drop.
+"""The scheduler core's shared state and the primitives every part of it uses: send, free, fail,
+drop.
 
-``SchedulerCore`` (core.py) is assembled from this base, ``AdmissionMixin`` (admission.py) and
-``PreemptionMixin`` (preemption.py); each file is one role, all of it pure (no sockets).
+``SchedulerCore`` (core.py) is composed, not inherited: it holds one ``CoreState`` and five
+managers, each a plain class in its own file that is handed this state (and the managers it
+calls) when it is built: ``Intake`` (intake.py), ``Admission`` (admission.py), ``Preemption``
+(preemption.py), ``Reconcile`` (reconcile.py) and ``Recovery`` (recovery.py). What more than one
+of them reads or writes lives here (the requests, the queue, the outbox, the counters, the frees
+in flight, the KV manager's availability); what one of them decides lives in it (admission's
+state, the preemption in flight, the reconciled ids). All of it pure (no sockets).
 """
 
 from __future__ import annotations
 
-import abc
 import enum
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +25,7 @@ from actors.scheduler.state import SchedRequest, Status
 from messages import executor as xm
 from messages import kv as km
 from messages import tokenizer as tm
+from messages.common import SamplingParams
 
 Outgoing = tuple[str, msgspec.Struct]
 
@@ -38,7 +44,10 @@ class AdmissionState(enum.Enum):
     BLOCKED = "blocked"  # the last admission was refused for lack of blocks: wait for ``freed``
 
 
-class CoreBase(abc.ABC):
+class CoreState:
+    """What the managers share: configuration, log and clock, the requests and the waiting
+    queue, the outbox, the counters, and whether the KV manager is serving."""
+
     def __init__(
         self, cfg: SchedulerConfig, kv: KVConfig, log: Any, clock: Callable[[], float]
     ) -> None:
@@ -50,49 +59,65 @@ class CoreBase(abc.ABC):
         self.defer = PrefixDeferral(cfg.prefix_defer_tokens)
         self.requests: dict[str, SchedRequest] = {}  # every live request, by id
         self.running: dict[str, SchedRequest] = {}  # holds blocks (running/preempting/stopping)
-        self.admission = AdmissionState.OPEN
-        self.admitting: SchedRequest | None = None  # set while ADMITTING
         self.frees_in_flight = 0  # kv_finish/kv_release sent, their ``freed`` not yet back
-        self.preempting: str | None = None  # one preemption at a time
-        self.reconciled_ids: set[str] = set()  # requests a restarted scheduler reconciled
         self.kv_down = False  # the KV manager died and no successor answers yet (recovery.py)
         self.kv_rebuilding = False  # its successor is rebuilding its pool from kv_rebuild
         self.outbox: list[Outgoing] = []
-        self._seq = 0
-        self._admit_seq = 0
         self.counters = {"admitted": 0, "refused": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+        self._seq = 0  # arrival order
+        self._admit_seq = 0  # admission order
 
-    @abc.abstractmethod
-    def reset(self, reason: str) -> None:
-        """An actor died: fail every request, start empty (core.py)."""
+    @property
+    def kv_serving(self) -> bool:
+        """The KV manager takes admissions (not down, not rebuilding)."""
+        return not self.kv_down and not self.kv_rebuilding
 
-    @abc.abstractmethod
-    def schedule(self) -> None:
-        """Offer the next request to the KV manager if nothing blocks admission (core.py)."""
+    # -------------------------------------------------------------- requests
+    def track(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival: float,
+        grammar: str = "",
+    ) -> SchedRequest:
+        """A new live request (the next in arrival order), queued nowhere yet."""
+        self._seq += 1
+        req = SchedRequest(rid, prompt, params, arrival, self.clock(), self._seq, grammar=grammar)
+        self.requests[rid] = req
+        return req
+
+    def mark_admitted(self, req: SchedRequest) -> None:
+        """``req`` got blocks: it is the newest admitted (the ``newest`` victim policy's order)."""
+        self._admit_seq += 1
+        req.admitted_seq = self._admit_seq
 
     # ---------------------------------------------------------------- sending
-    def _send(self, peer: str, msg: msgspec.Struct) -> None:
+    def send(self, peer: str, msg: msgspec.Struct) -> None:
+        if peer == "kv_manager" and self.kv_down:
+            return  # the successor rebuilds from kv_rebuild, which accounts for this
         self.outbox.append((peer, msg))
 
-    def _free_blocks(self, msg: km.Finish | km.Release) -> None:
+    def free_blocks(self, msg: km.Finish | km.Release) -> None:
         """Send a finish/release to the KV manager and count it: every one is answered with a
         ``freed``, and a refusal with nothing running fails the request only when none is due.
         Not sent while the KV manager is down (its successor's rebuild accounts for it)."""
         if self.kv_down:
             return
         self.frees_in_flight += 1
-        self._send("kv_manager", msg)
+        self.send("kv_manager", msg)
 
-    def take_outbox(self) -> list[Outgoing]:
+    def take_outbox(self, admission_pending: bool) -> list[Outgoing]:
         """The messages to send, as ``(peer, message)`` in order; empties the outbox.
 
         Each run says whether more follow it (``x_run.more``), decided here, when it leaves,
         not when it was granted: a run followed by another in the same outbox, or sent while
-        the next admission is out, says more. The actor handles every message already waiting
-        before it takes the outbox, so a burst's requests that reached the scheduler while the
-        first one's blocks were being granted count too (an idle executor waits for them)."""
+        the next admission is out (``admission_pending``), says more. The actor handles every
+        message already waiting before it takes the outbox, so a burst's requests that reached
+        the scheduler while the first one's blocks were being granted count too (an idle
+        executor waits for them)."""
         out, self.outbox = self.outbox, []
-        behind = self.admission in (AdmissionState.ADMITTING, AdmissionState.MATCHING)
+        behind = admission_pending
         for _, msg in reversed(out):
             if isinstance(msg, xm.Run):
                 msg.more = behind
@@ -100,22 +125,22 @@ class CoreBase(abc.ABC):
         return out
 
     # -------------------------------------------------------------- endings
-    def _fail(self, req: SchedRequest, code: str, message: str, field: str | None = None) -> None:
+    def fail(self, req: SchedRequest, code: str, message: str, field: str | None = None) -> None:
         self.log.info("request.failed", request_id=req.request_id, code=code, reason=message)
-        self._send(
+        self.send(
             "tokenizer",
             tm.RequestFailed(request_id=req.request_id, code=code, message=message, field=field),
         )
-        self._drop(req)
+        self.drop(req)
 
-    def _drop(self, req: SchedRequest) -> None:
+    def drop(self, req: SchedRequest) -> None:
         req.status = Status.DONE
-        self._release_prefix(req.request_id)
+        self.release_prefix(req.request_id)
         self.requests.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
         self.queue.remove(req.request_id)
 
-    def _release_prefix(self, rid: str) -> None:
+    def release_prefix(self, rid: str) -> None:
         """``rid`` computed its prefix (or left): the requests it held go back to the front."""
         for r in reversed(self.defer.release(rid)):
             self.queue.push_front(r)

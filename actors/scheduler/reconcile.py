@@ -15,12 +15,17 @@ freed (cached if it finished) and, if the front door still wants it and it did n
 queued again with the tokens it streamed (a resume, recomputed like a preempted request).
 Running but no longer wanted (cancelled meanwhile): stopped. Only at the front door: queued.
 At a first start every answer is empty. Nothing runs twice, nothing is forgotten.
+
+``Reconcile`` owns the ids of the requests it rebuilt (``reconciled_ids``): the front door may
+have sent their submit to the restarted scheduler too, and that second copy is dropped
+(``second_copy``).
 """
 
 from __future__ import annotations
 
-from actors.scheduler.base import CoreBase
-from actors.scheduler.state import SchedRequest, Status
+from actors.scheduler.admission import Admission
+from actors.scheduler.base import CoreState
+from actors.scheduler.state import Status
 from messages import executor as xm
 from messages import kv as km
 from messages.common import ErrorCode, SamplingParams
@@ -29,9 +34,25 @@ from messages.scheduler import ExecutorHeld, KVHeld, LiveRequests, RequestDone, 
 REASON = "scheduler restarted"
 
 
-class ReconcileMixin(CoreBase):
+class Reconcile:
+    def __init__(self, state: CoreState, admission: Admission) -> None:
+        self.state = state
+        self.admission = admission
+        self.reconciled_ids: set[str] = set()  # requests a restarted scheduler reconciled
+
+    def second_copy(self, msg: Submit) -> bool:
+        """``msg`` is the submit of a request already rebuilt by ``reconcile`` (it reached the
+        dead scheduler's successor as well as its reconciliation): drop it, once."""
+        rid = msg.request_id
+        if rid not in self.reconciled_ids or msg.resume_reason:
+            return False
+        self.reconciled_ids.discard(rid)
+        self.state.log.info("request.submit_reconciled", request_id=rid)
+        return True
+
     def reconcile(self, front: LiveRequests, ex: ExecutorHeld, kv: KVHeld) -> None:
         """Rebuild the state of a (re)started scheduler from its peers' answers."""
+        st = self.state
         running = {r.request_id: r for r in ex.running}
         held = {h.request_id: h for h in kv.allocations}
         ended: dict[tuple[str, int], RequestDone] = {(d.request_id, d.attempt): d for d in ex.ended}
@@ -43,11 +64,11 @@ class ReconcileMixin(CoreBase):
                 continue
             done = ended.get((rid, h.attempt))
             if done is not None and done.status == "finished":
-                self._free_blocks(
+                st.free_blocks(
                     km.Finish(request_id=rid, attempt=h.attempt, token_ids=done.kv_token_ids)
                 )
             else:
-                self._free_blocks(km.Release(request_id=rid, attempt=h.attempt, reason=REASON))
+                st.free_blocks(km.Release(request_id=rid, attempt=h.attempt, reason=REASON))
             n["freed"] += 1
         for rid, r in running.items():
             s = wanted.get(rid)
@@ -56,14 +77,14 @@ class ReconcileMixin(CoreBase):
                 self._adopt(s, r.attempt, r.output_offset, mine.block_table)
                 n["running"] += 1
             else:  # not wanted any more, or its blocks are not its own: stop it
-                req = self._track(rid, [], SamplingParams(), 0.0)
+                req = st.track(rid, [], SamplingParams(), 0.0)
                 req.attempt, req.status = r.attempt, Status.STOPPING
-                self.running[rid] = req
-                self._send("executor", xm.Stop(request_id=rid, attempt=r.attempt, reason=REASON))
+                st.running[rid] = req
+                st.send("executor", xm.Stop(request_id=rid, attempt=r.attempt, reason=REASON))
                 n["stopped"] += 1
         self.reconciled_ids = set(wanted)  # a second copy of their submit is dropped
         for rid, s in wanted.items():
-            if rid in self.requests:
+            if rid in st.requests:
                 continue
             attempts = [a for (i, a) in ended if i == rid]
             last = max([*attempts, held[rid].attempt if rid in held else 0], default=0)
@@ -72,17 +93,17 @@ class ReconcileMixin(CoreBase):
                 n["ended"] += 1  # its last token is on its way to the front door
                 continue
             if done is not None and done.status == "error":
-                req = self._track(rid, s.prompt_ids, s.params, s.arrival)
-                self._fail(req, ErrorCode.INVALID, done.message, done.field)
+                req = st.track(rid, list(s.prompt_ids), s.params, s.arrival, s.grammar)
+                st.fail(req, ErrorCode.INVALID, done.message, done.field)
                 n["ended"] += 1
                 continue
-            req = self._track(rid, s.prompt_ids, s.params, s.arrival)
+            req = st.track(rid, list(s.prompt_ids), s.params, s.arrival, s.grammar)
             req.output_ids, req.attempt = list(s.output_ids), last
-            self.queue.push(req)
+            st.queue.push(req)
             n["queued"] += 1
             if s.output_ids:
                 n["resumed"] += 1
-                self.log.info(
+                st.log.info(
                     "request.resumed",
                     request_id=rid,
                     reason=REASON,
@@ -90,23 +111,15 @@ class ReconcileMixin(CoreBase):
                     output_tokens=len(s.output_ids),
                     recomputed_tokens=len(req.tokens_now()),
                 )
-        self.log.info("scheduler.reconciled", **n)
-        self.schedule()
-
-    def _track(
-        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float
-    ) -> SchedRequest:
-        self._seq += 1
-        req = SchedRequest(rid, list(prompt), params, arrival, self.clock(), self._seq)
-        self.requests[rid] = req
-        return req
+        st.log.info("scheduler.reconciled", **n)
+        self.admission.schedule()
 
     def _adopt(self, s: Submit, attempt: int, output_offset: int, table: list[int]) -> None:
         """A request running in the executor, as the dead scheduler had it."""
-        req = self._track(s.request_id, s.prompt_ids, s.params, s.arrival)
+        st = self.state
+        req = st.track(s.request_id, list(s.prompt_ids), s.params, s.arrival, s.grammar)
         req.attempt, req.status = attempt, Status.RUNNING
         req.output_ids = list(s.output_ids[:output_offset])  # the earlier attempts' outputs
         req.block_table = list(table)
-        self._admit_seq += 1
-        req.admitted_seq = self._admit_seq
-        self.running[s.request_id] = req
+        st.mark_admitted(req)
+        st.running[s.request_id] = req

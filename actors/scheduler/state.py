@@ -42,6 +42,7 @@ class SchedRequest:
     yield_to_priority: bool = False  # preempted by priority: requeue by policy, not first
     abort_reason: str | None = None  # set when an abort arrives while an answer is pending
     queue_s: float = 0.0
+    grammar: str = ""  # params.structured as the front door compiled it (Submit.grammar)
 
     @property
     def priority(self) -> int:

@@ -141,11 +141,13 @@ def hf_llg_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> 
 
 @dataclass
 class Compiled:
-    """A compiled constraint: a matcher at its start state, copied for each request."""
+    """A compiled constraint: a matcher at its start state, copied for each request, and the
+    llguidance grammar (JSON text) it was built from, which the front door forwards."""
 
     constraint: Constraint
     template: Any  # llguidance.LLMatcher, never advanced
     compile_s: float
+    grammar: str = ""
 
     def matcher(self) -> Any:
         return self.template.deep_copy()
@@ -153,7 +155,11 @@ class Compiled:
 
 class GrammarCache:
     """Compiled constraints, at most ``capacity`` (least recently used dropped first),
-    failures included. Thread-safe: the executor compiles in a worker thread."""
+    failures included. Thread-safe: the executor compiles in a worker thread.
+
+    Two ways in: ``compile`` (the front door: a client's constraint, validated, converted and
+    built) and ``build`` (the executor: a grammar the front door compiled, built into a matcher
+    over the same tokenizer and trusted; it is never validated or converted again)."""
 
     def __init__(self, tokenizer: Callable[[], Any], capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
@@ -179,19 +185,40 @@ class GrammarCache:
         """The canonical constraint and its cached result (None: not compiled yet). Counts a
         hit; raises GrammarError for a malformed constraint."""
         c = constraint_of(s)
+        return c, self._get(c)
+
+    def compile(self, s: StructuredOutput) -> tuple[Compiled, bool]:
+        """``(compiled, cache_hit)``; raises GrammarError naming the field."""
+        c, found = self.lookup(s)
+        return self._result(c, found, lambda: self._compile(c))
+
+    def built(self, kind: str, grammar: str) -> Compiled | GrammarError | None:
+        """``build``'s cached answer, if any (counts a hit)."""
+        return self._get(compiled_grammar(kind, grammar))
+
+    def build(self, kind: str, grammar: str) -> tuple[Compiled, bool]:
+        """``(compiled, cache_hit)`` for ``grammar``, llguidance's grammar text as ``compile``
+        made it (``Compiled.grammar``) for a constraint of ``kind``."""
+        c = compiled_grammar(kind, grammar)
+        return self._result(c, self._get(c), lambda: self._build(c, grammar, time.perf_counter()))
+
+    def _get(self, c: Constraint) -> Compiled | GrammarError | None:
         with self._lock:
             found = self._lru.get(c.key)
             if found is not None:
                 self._lru.move_to_end(c.key)
                 self.hits += 1
-        return c, found
+        return found
 
-    def compile(self, s: StructuredOutput) -> tuple[Compiled, bool]:
-        """``(compiled, cache_hit)``; raises GrammarError naming the field."""
-        c, found = self.lookup(s)
+    def _result(
+        self,
+        c: Constraint,
+        found: Compiled | GrammarError | None,
+        make: Callable[[], Compiled | GrammarError],
+    ) -> tuple[Compiled, bool]:
         hit = found is not None
         if found is None:
-            found = self._compile(c)
+            found = make()
             with self._lock:
                 self.misses += 1
                 self._lru[c.key] = found
@@ -202,13 +229,16 @@ class GrammarCache:
         return found, hit
 
     def _compile(self, c: Constraint) -> Compiled | GrammarError:
-        import llguidance
-
         t0 = time.perf_counter()
         try:
             grammar = grammar_of(c)
         except GrammarError as e:
             return e
+        return self._build(c, grammar, t0)
+
+    def _build(self, c: Constraint, grammar: str, t0: float) -> Compiled | GrammarError:
+        import llguidance
+
         tok = self.tokenizer()
         try:
             matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
@@ -216,4 +246,9 @@ class GrammarCache:
             return GrammarError(c.field, _short(str(e)))
         if matcher.is_error():
             return GrammarError(c.field, _short(matcher.get_error()))
-        return Compiled(c, matcher, time.perf_counter() - t0)
+        return Compiled(c, matcher, time.perf_counter() - t0, grammar)
+
+
+def compiled_grammar(kind: str, grammar: str) -> Constraint:
+    """The constraint a front-door-compiled ``grammar`` stands for (its key: the text)."""
+    return Constraint(kind, grammar, "compiled")

@@ -1,7 +1,8 @@
 """The executor actor's constrained runs that wait for their constraint to compile.
 
-A ``Run`` whose constraint is not in the executor's grammar cache is compiled in a worker thread
-(llguidance releases the GIL while it builds), so the step loop goes on meanwhile; the answer
+A ``Run`` carries its constraint as the front door compiled it (``Run.grammar``, llguidance's
+grammar text); one whose matcher is not in the executor's grammar cache is built in a worker
+thread (llguidance releases the GIL while it builds), so the step loop goes on meanwhile; the answer
 comes back through the actor's mailbox as a :class:`Done`. A preemption, abort or newer attempt
 in the meantime drops the wait (``drop``/``take``), and a late answer is then ignored.
 """
@@ -35,27 +36,30 @@ class PendingCompiles:
         self.runs: dict[str, Run] = {}
 
     def cached(self, msg: Run) -> Compiled | GrammarError | None:
-        """The run's compiled constraint (or its refusal) if known without compiling; None
-        means compile it (``wait``)."""
-        assert msg.params.structured is not None
-        try:
-            return self.engine.cache.lookup(msg.params.structured)[1]
-        except GrammarError as e:
-            return e
+        """The run's matcher (or its refusal) if known without building; None means build it
+        (``wait``). A constrained run without the front door's grammar breaks the protocol."""
+        s = msg.params.structured
+        assert s is not None
+        if not msg.grammar:
+            return GrammarError("grammar", "a constrained run must carry its compiled grammar")
+        return self.engine.cache.built(s.kinds()[0], msg.grammar)
 
     def wait(self, nursery: trio.Nursery, msg: Run, deliver: Callable[[Done], None]) -> None:
         self.runs[msg.request_id] = msg
         nursery.start_soon(self._compile, msg, deliver)
 
+    def build(self, msg: Run) -> Compiled | GrammarError:
+        """The run's matcher, built here and now (``cached`` said it is not cached)."""
+        spec = msg.params.structured
+        assert spec is not None  # only constrained requests are built
+        try:
+            return self.engine.cache.build(spec.kinds()[0], msg.grammar)[0]
+        except GrammarError as e:
+            return e
+
     async def _compile(self, msg: Run, deliver: Callable[[Done], None]) -> None:
         t0 = time.perf_counter()
-        result: Compiled | GrammarError
-        try:
-            spec = msg.params.structured
-            assert spec is not None  # only constrained requests wait here
-            result, _ = await trio.to_thread.run_sync(self.engine.compile, spec)
-        except GrammarError as e:
-            result = e
+        result = await trio.to_thread.run_sync(self.build, msg)
         deliver(Done(msg, result, time.perf_counter() - t0))
 
     def take(self, done: Done) -> bool:

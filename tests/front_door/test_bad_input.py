@@ -196,6 +196,12 @@ def _generate_error(rt, **kwargs) -> RequestError:
         (dict(prompt_ids=[1] * 1000, max_tokens=100), "params.max_tokens"),
         (dict(prompt="hi", stop=[""]), "stop"),
         (dict(messages=[]), "messages"),
+        (dict(prompt_ids=[1, 2], presence_penalty=2.5), "params.presence_penalty"),
+        (dict(prompt_ids=[1, 2], repetition_penalty=0.0), "params.repetition_penalty"),
+        (dict(prompt_ids=[1, 2], logit_bias={10**6: 1.0}), "params.logit_bias"),
+        (dict(prompt_ids=[1, 2], logit_bias={5: 100.5}), "params.logit_bias"),
+        (dict(prompt_ids=[1, 2], max_tokens=4, min_tokens=5), "params.min_tokens"),
+        (dict(prompt_ids=[1, 2], structured={"regex": "a("}), "params.structured.regex"),
     ],
 )
 def test_out_of_range_values_name_the_field(rt, kwargs, field):

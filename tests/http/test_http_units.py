@@ -12,10 +12,11 @@ from pydantic import ValidationError
 from actors.runtime.events import configure
 from tokenizer_svc.http.app import Server, build_app
 from tokenizer_svc.http.convert import plan_chat, plan_completion
-from tokenizer_svc.http.errors import ApiError, from_validation, param_of
+from tokenizer_svc.http.errors import ApiError, from_upstream, from_validation, param_of
 from tokenizer_svc.http.model import ModelInfo
 from tokenizer_svc.http.schemas import ChatCompletionRequest, CompletionRequest
 from tokenizer_svc.http.upstream import Upstream
+from tokenizer_svc.requests import Invalid, Prompts, check_request
 
 
 @pytest.fixture(scope="module")
@@ -47,31 +48,71 @@ def test_n_choices_get_seed_streams_and_ids(model):
     assert single.choices[0].generate.params.max_tokens == 16  # OpenAI's completions default
 
 
+def _front_door(model: ModelInfo, gen):
+    """What the front door makes of a planned request (the tokenizer loaded here, as there)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model.path)
+    return tok, check_request(gen, tok, model.vocab_size, model.max_model_len, Prompts())
+
+
 def test_chat_defaults_to_the_rest_of_the_context_and_joins_text_parts(model):
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     req = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "developer", "content": "sys"}, {"role": "user", "content": parts}]}
     )
     plan = plan_chat(req, model, "r")
-    ids = plan.prompts[0]
-    text = model.tokenizer.decode(ids)
+    gen = plan.choices[0].generate
+    assert gen.fill_context and gen.params.temperature == 1.0  # OpenAI's default
+    assert [(m.role, m.content) for m in gen.messages] == [("system", "sys"), ("user", "a\nb")]
+    tok, checked = _front_door(model, gen)
+    text = tok.decode(checked.ids)
     assert "<|im_start|>system\nsys<|im_end|>" in text and "a\nb" in text
-    assert plan.choices[0].generate.params.max_tokens == model.max_model_len - len(ids)
-    assert plan.choices[0].generate.params.temperature == 1.0  # OpenAI's default
+    assert checked.params.max_tokens == model.max_model_len - len(checked.ids)
+    assert model._tokenizer is None  # the HTTP server did not tokenize, nor load the tokenizer
 
 
 def test_refusals_name_the_field(model):
-    cases = [
-        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
-        ({"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    here = [  # the HTTP server's own refusals: its API's shape
         ({"prompt": [1, 2], "best_of": 3}, "best_of"),
         ({"prompt": "x", "suffix": "tail"}, "suffix"),
         ({"prompt": "x", "model": "other"}, "model"),
     ]
-    for body, param in cases:
+    for body, param in here:
         with pytest.raises(ApiError) as info:
             plan_completion(CompletionRequest.model_validate(body), model, "r")
         assert info.value.param == param, body
+    front_door = [  # the front door's refusals, named as the client spelled the field
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", None),
+        ({"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens", None),
+        ({"prompt": [[5], [1, 99999]]}, "prompt[1]", None),
+        ({"prompt": "x", "max_tokens": 5000}, "prompt", "context_length_exceeded"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "object", "patternProperties": {"(": {}}}},
+                },
+            },
+            "response_format.json_schema.schema",
+            None,
+        ),
+        ({"prompt": "x", "structured_outputs": {"regex": "a("}}, "structured_outputs.regex", None),
+    ]
+    for body, param, code in front_door:
+        plan = plan_completion(CompletionRequest.model_validate(body), model, "r")
+        errors = []
+        for c in plan.choices:
+            try:
+                _front_door(model, c.generate)
+            except Invalid as e:
+                errors.append(
+                    from_upstream(e.code, e.field, str(e), c.prompt_param, plan.spelling.param)
+                )
+        assert errors, body
+        assert (errors[0].status, errors[0].param, errors[0].code) == (400, param, code), body
+        assert errors[0].message.startswith(param) or code, errors[0].message
 
 
 async def test_a_bug_is_a_plain_500_and_an_http_error_event(model, tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """The ``http`` actor: the OpenAI-compatible HTTP server, a process next to the front door.
 
-It serves the Starlette app under hypercorn's trio worker, talks to the front door over one
+It serves the Starlette app under hypercorn's trio worker with the limits of ``serving``, talks to the front door over one
 ZeroMQ client connection, and has an inbox of its own that answers pings (``minirt ping http``,
 the supervisor's readiness check: ready once it listens and the front door welcomed it).
 """
@@ -8,6 +8,7 @@ the supervisor's readiness check: ready once it listens and the front door welco
 from __future__ import annotations
 
 import ipaddress
+from functools import partial
 from typing import Any, cast
 
 import trio
@@ -18,6 +19,7 @@ from messages.common import Hello, Ping
 from tokenizer_svc.http.app import ACTORS, Server, build_app
 from tokenizer_svc.http.metrics import scheduler_text
 from tokenizer_svc.http.model import ModelInfo
+from tokenizer_svc.http.serving import hypercorn_config, serve
 from tokenizer_svc.http.upstream import Upstream
 
 
@@ -55,12 +57,6 @@ class HttpActor(Actor):
         self.url = ""
 
     async def start_tasks(self, nursery: trio.Nursery) -> None:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve
-
-        from tokenizer_svc.http import h1only
-
-        h1only.install()  # no HTTP/2: routers' gRPC probes must not reach its code
         server = Server(
             model=self.model,
             upstream=self.upstream,
@@ -70,25 +66,14 @@ class HttpActor(Actor):
             api_key=self.settings.api_key,
             runtime_metrics=self.runtime_metrics,
             run_dir=self.cfg.run_dir,
+            body_timeout_s=self.settings.body_timeout_s,
         )
-        config = Config()
-        host = self.settings.host
-        config.bind = [
-            f"[{host}]:{self.settings.port}" if ":" in host else f"{host}:{self.settings.port}"
-        ]
-        config.accesslog = None
-        config.loglevel = "WARNING"
-        config.backlog = 4096
-        config.graceful_timeout = 1.0
         nursery.start_soon(self.upstream.run)
+        app = cast(Any, build_app(server))
         try:
-            binds = await nursery.start(
-                lambda task_status: serve(
-                    cast(Any, build_app(server)), config, task_status=task_status
-                )
-            )
+            binds = await nursery.start(partial(serve, app, self.settings))
         except OSError as e:  # the port is taken, say: say so plainly and stop
-            where = config.bind[0]
+            where = hypercorn_config(self.settings).bind[0]
             self.log.error("http.listen_failed", address=where, error=str(e))
             raise SystemExit(f"http: cannot listen on {where}: {e} (see --http-port)") from None
         self.url = binds[0]

@@ -60,11 +60,13 @@ class Server:
     created: int = field(default_factory=lambda: int(time.time()))
     active: set[str] = field(default_factory=set)
     run_dir: str = ""  # the event log the dashboard shows (none: no dashboard)
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
 
 
-async def _body(request: Request, model: type[B]) -> B:
+async def _body(request: Request, model: type[B], timeout_s: float) -> B:
     """The request's JSON body as ``model``; 413 as soon as it is known to be over ``MAX_BODY``
-    (its ``Content-Length``, else the bytes read so far): never buffered whole."""
+    (its ``Content-Length``, else the bytes read so far): never buffered whole; 408 when it
+    has not all arrived within ``timeout_s`` (a client trickling bytes holds nothing long)."""
     too_big = ApiError(413, f"request body over {MAX_BODY} bytes")
     try:
         declared = int(request.headers.get("content-length", "0"))
@@ -74,11 +76,14 @@ async def _body(request: Request, model: type[B]) -> B:
         raise too_big
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise too_big
-        chunks.append(chunk)
+    with trio.move_on_after(timeout_s) as late:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise too_big
+            chunks.append(chunk)
+    if late.cancelled_caught:
+        raise ApiError(408, f"request body not received within {timeout_s:g} s", code="timeout")
     raw = b"".join(chunks)
     try:
         return model.model_validate_json(raw or b"{}")
@@ -96,10 +101,10 @@ def build_app(server: Server) -> Gate:
         rid = request.state.request_id
         base = _unique_id(server, rid)
         if kind == "chat":
-            chat = await _body(request, ChatCompletionRequest)
+            chat = await _body(request, ChatCompletionRequest, server.body_timeout_s)
             plan = plan_chat(chat, server.model, base)
         else:
-            comp = await _body(request, CompletionRequest)
+            comp = await _body(request, CompletionRequest, server.body_timeout_s)
             plan = plan_completion(comp, server.model, base)
         info = request.state.info
         info.update(kind=kind, stream=plan.stream, n=len(plan.choices))
@@ -194,7 +199,7 @@ def build_app(server: Server) -> Gate:
         return JSON({"served_model_name": m.served_name, "max_model_len": m.max_model_len})
 
     async def tokenize(request: Request) -> JSON:
-        req = await _body(request, TokenizeRequest)
+        req = await _body(request, TokenizeRequest, server.body_timeout_s)
         m = server.model
         m.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -213,7 +218,7 @@ def build_app(server: Server) -> Gate:
         return JSON({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
 
     async def detokenize(request: Request) -> JSON:
-        req = await _body(request, DetokenizeRequest)
+        req = await _body(request, DetokenizeRequest, server.body_timeout_s)
         m = server.model
         m.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < m.vocab_size]

@@ -8,6 +8,7 @@ down, 500 with a plain message for a bug.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -53,6 +54,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -94,20 +96,33 @@ def from_validation(e: ValidationError) -> ApiError:
     return invalid(param or None, f"{param or 'body'}: {first.get('msg', 'invalid')}{got}")
 
 
-def from_upstream(code: str, field: str | None, message: str, prompt_param: str) -> ApiError:
-    """A refusal from the front door (``actors.client.RequestError``) in OpenAI's shape."""
+def from_upstream(
+    code: str,
+    field: str | None,
+    message: str,
+    prompt_param: str,
+    structured: Callable[[str], str] | None = None,
+) -> ApiError:
+    """A refusal from the front door (``actors.client.RequestError``) in OpenAI's shape, its
+    field named as the client spelled it: the prompt as ``prompt_param`` (``prompt[1]``,
+    ``messages``), ``params.x`` as ``x``, the constraint's fields through ``structured``."""
     if code == "overloaded":
         return ApiError(429, message, code="overloaded")
     if code == "actor_dead":
         return ApiError(503, message, code="actor_dead")
+    if code not in ("too_long", "invalid"):
+        return ApiError(500, f"internal error: {message}", code="internal_error")
+    name = field or ""
+    reason = message.removeprefix(f"{name}: ") if name else message
     if code == "too_long":
-        return invalid(prompt_param, message, code="context_length_exceeded")
-    if code == "invalid":
-        param = _HTTP_NAMES.get(field or "", (field or "").removeprefix("params."))
-        if param in ("prompt", "prompt_ids", "messages"):
-            param = prompt_param
-        return invalid(param or None, message)
-    return ApiError(500, f"internal error: {message}", code="internal_error")
+        return invalid(prompt_param, reason, code="context_length_exceeded")
+    if name.startswith("params.structured") and structured is not None:
+        param = structured(name)
+    else:
+        param = _HTTP_NAMES.get(name, name.removeprefix("params."))
+    if param in ("prompt", "prompt_ids", "messages"):
+        param = prompt_param
+    return invalid(param or None, f"{param}: {reason}" if param else reason)
 
 
 _HTTP_NAMES = {"params.logprobs": "logprobs", "stop": "stop"}

@@ -1,8 +1,9 @@
 """Answering one completion request: run its choices against the front door and reply, as one
 JSON body or as a stream of server-sent events.
 
-A streamed reply starts (status 200, headers) with its first content, so a refusal that arrives
-before any (overloaded, actor down, invalid) still gets its own status code. The client's
+A streamed reply starts (status 200, headers) with its first content once the front door has
+accepted every choice, so a refusal (overloaded, actor down, invalid: the front door validates)
+still gets its own status code. The client's
 connection is watched the whole time: when it goes away, the request's choices are cancelled,
 which cancels them in the front door and frees their KV blocks.
 """
@@ -72,7 +73,7 @@ class PlanResponse:
 
     def _summarize(self) -> None:
         ch = self.choices
-        self.info["prompt_tokens"] = sum(len(p) for p in self.plan.prompts)
+        self.info["prompt_tokens"] = ch.prompt_tokens()
         self.info["completion_tokens"] = sum(c.tokens for c in ch.by_index.values())
         self.info["finish_reasons"] = [c.finish_reason for c in ch.by_index.values()]
         firsts = [c.first_token_t for c in ch.by_index.values() if c.first_token_t]
@@ -132,8 +133,9 @@ class PlanResponse:
         async for index, msg in items:
             if isinstance(msg, ApiError):
                 return msg  # nothing was sent yet: answer with the error's own status
-            first = writer.feed(index, msg, trio.current_time())
-            if isinstance(msg, (cm.Delta, cm.Final)) and first:
+            first += writer.feed(index, msg, trio.current_time())
+            # started by the first content, once no choice can still be refused
+            if isinstance(msg, (cm.Delta, cm.Final)) and first and self.choices.accepted():
                 break
         watch.cancel()  # the streaming response watches the connection from here on
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

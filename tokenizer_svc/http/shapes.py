@@ -32,6 +32,7 @@ class Choice:
     usage: cm.Usage | None = None
     timings: cm.Timings | None = None
     first_token_t: float = 0.0
+    prompt_tokens: int | None = None  # the front door's count (``Accepted``)
 
 
 class Choices:
@@ -43,6 +44,9 @@ class Choices:
 
     def feed(self, index: int, msg: Any, now: float) -> tuple[str, list]:
         ch = self.by_index[index]
+        if isinstance(msg, cm.Accepted):
+            ch.prompt_tokens = msg.prompt_tokens
+            return "", []
         if isinstance(msg, cm.Delta):
             ch.text.append(msg.text)
             ch.tokens += len(msg.token_ids)
@@ -58,25 +62,35 @@ class Choices:
             ch.finish_reason = FINISH.get(msg.finish_reason, "stop")
             ch.usage = msg.usage
             ch.timings = msg.timings
+            ch.prompt_tokens = msg.usage.prompt_tokens
         return "", []
 
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.by_index.values())
 
+    def accepted(self) -> bool:
+        """Whether the front door took every choice (so none can still be refused)."""
+        return all(c.prompt_tokens is not None for c in self.by_index.values())
+
+    def prompt_tokens(self) -> int:
+        """Each prompt counted once, however many choices share it (as OpenAI does)."""
+        first: dict[int, int] = {}
+        for c in self.by_index.values():
+            first.setdefault(c.prompt_index, c.prompt_tokens or 0)
+        return sum(first.values())
+
     def usage(self) -> dict[str, Any]:
-        """Each prompt is counted once, however many choices share it (as OpenAI does)."""
-        prompt = cached = 0
-        for p, ids in enumerate(self.plan.prompts):
-            mine = [c for c in self.by_index.values() if c.prompt_index == p]
-            prompt += len(ids)
-            cached += min((c.usage.cached_tokens if c.usage else 0) for c in mine)
+        cached: dict[int, int] = {}
+        for c in self.by_index.values():
+            mine = c.usage.cached_tokens if c.usage else 0
+            cached[c.prompt_index] = min(cached.get(c.prompt_index, mine), mine)
         completion = sum(c.tokens for c in self.by_index.values())
-        return usage_dict(prompt, completion, cached)
+        return usage_dict(self.prompt_tokens(), completion, sum(cached.values()))
 
     def choice_usage(self, index: int) -> dict[str, Any]:
         ch = self.by_index[index]
         cached = ch.usage.cached_tokens if ch.usage else 0
-        return usage_dict(len(self.plan.prompts[ch.prompt_index]), ch.tokens, cached)
+        return usage_dict(ch.prompt_tokens or 0, ch.tokens, cached)
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Structured output on the HTTP side: OpenAI's ``response_format`` and vLLM's
 ``structured_outputs`` as the front door's ``StructuredOutput``, refused with a 400 naming the
-field as the client spelled it when malformed or when the engine cannot compile it.
+field as the client spelled it when malformed here, or when the front door's grammar engine
+cannot compile it (its refusal names ``params.structured.<kind>``; ``Spelling`` maps that back).
 
 - ``response_format: {"type": "json_object"}``: any JSON object.
 - ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``: JSON
@@ -15,13 +16,13 @@ JSON answers are compact (no whitespace between tokens), as with vLLM's
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from messages.common import StructuredOutput
-from tokenizer_svc.http.errors import ApiError, invalid
-from tokenizer_svc.requests import Invalid, check_structured
+from tokenizer_svc.http.errors import invalid
 
 
 class JsonSchemaFormat(BaseModel):
@@ -54,8 +55,25 @@ _SO_FIELDS = {  # StructuredOutput's field -> the HTTP spelling under structured
 }
 
 
-def structured_of(req: Any, model: Any) -> StructuredOutput | None:
-    """The request's constraint (None: free text); raises ApiError(400) naming the field."""
+@dataclass
+class Spelling:
+    """How the client spelled the constraint: the front door's field (``structured.<kind>``)
+    to the HTTP parameter, and the parameter for the constraint as a whole."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+    whole: str = "response_format"
+
+    def param(self, front_door_field: str) -> str:
+        sub = front_door_field.removeprefix("params.structured").lstrip(".")
+        if not sub or sub == "whitespace":
+            return self.whole
+        return self.fields.get(sub.split(".")[0], self.whole)
+
+
+def structured_of(req: Any, spelling: Spelling) -> StructuredOutput | None:
+    """The request's constraint (None: free text); raises ApiError(400) naming the field when
+    it is malformed. Whether it compiles is the front door's to say; ``spelling`` learns how
+    to name its fields in that answer."""
     fmt = req.response_format
     so = req.structured_outputs
     kind = fmt.type if fmt is not None else "text"
@@ -66,9 +84,17 @@ def structured_of(req: Any, model: Any) -> StructuredOutput | None:
     if kind == "text":
         if so is None:
             return None
-        return _checked(_from_vllm(so), model, _SO_FIELDS, "structured_outputs")
+        spelling.fields, spelling.whole = _SO_FIELDS, "structured_outputs"
+        out = _from_vllm(so)
+        if len(out.kinds()) != 1:
+            raise invalid(
+                "structured_outputs",
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                "must be set",
+            )
+        return out
     if kind == "json_object":
-        return _checked(StructuredOutput(json_object=True), model, {}, "response_format")
+        return StructuredOutput(json_object=True)
     if kind == "json_schema":
         spec = fmt.json_schema
         if spec is None or spec.schema_ is None:
@@ -76,10 +102,8 @@ def structured_of(req: Any, model: Any) -> StructuredOutput | None:
                 "response_format.json_schema.schema",
                 "response_format.json_schema.schema: required for type 'json_schema'",
             )
-        fields = {"json_schema": "response_format.json_schema.schema"}
-        return _checked(
-            StructuredOutput(json_schema=spec.schema_), model, fields, "response_format"
-        )
+        spelling.fields = {"json_schema": "response_format.json_schema.schema"}
+        return StructuredOutput(json_schema=spec.schema_)
     raise invalid(
         "response_format.type",
         f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
@@ -106,20 +130,3 @@ def _from_vllm(so: StructuredOutputsIn) -> StructuredOutput:
         choice=so.choice,
         grammar=so.grammar,
     )
-
-
-def _checked(
-    s: StructuredOutput, model: Any, fields: dict[str, str], whole: str
-) -> StructuredOutput:
-    try:
-        check_structured(s, model.tokenizer, model.vocab_size)
-    except Invalid as e:
-        sub = e.field.removeprefix("params.structured").lstrip(".")
-        param = fields.get(sub.split(".")[0], whole) if sub else whole
-        if sub == "whitespace":
-            param = whole
-        message = e.reason
-        if whole == "structured_outputs" and not sub:
-            message = "exactly one of json, regex, choice, grammar, json_object must be set"
-        raise ApiError(400, f"{param}: {message}", param=param) from None
-    return s

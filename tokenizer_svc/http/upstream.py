@@ -136,6 +136,5 @@ async def _one(
             async for msg in stream:
                 await send.send((c.index, msg))
     except RequestError as e:
-        await send.send(
-            (c.index, from_upstream(e.code, e.field, str(e).split(": ", 1)[-1], plan.prompt_param))
-        )
+        refusal = from_upstream(e.code, e.field, e.message, c.prompt_param, plan.spelling.param)
+        await send.send((c.index, refusal))
