@@ -4,6 +4,10 @@ It never allocates KV blocks: callers hand it block tables (plain ints) with eac
 grow them with :meth:`Executor.extend`. Each :meth:`Executor.step` schedules decodes first (one
 token each, FCFS), then prefill chunks FCFS within the token budget, runs one forward over the
 flat batch, samples, and drops finished requests (the caller frees their blocks).
+
+Over 300 lines: ``step`` is one algorithm over one flat batch (plan, inputs, forward, masks,
+sampling, ends) whose parts share its rows; the request table, plans, sampling, masks and
+attention are their own files.
 """
 
 from __future__ import annotations
@@ -12,16 +16,17 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from actors.kv.reservation import kv_tokens_at_most
 from gpu import cpu_ops, loader
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, loaded_pool
 from gpu.logits_processors import LogitsProcessors, apply_processors
 from gpu.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from gpu.model import LlamaFamilyModel
+from gpu.request_table import RequestTable
 from gpu.requests import (
     ExecutorInputError,
     RequestState,
@@ -30,10 +35,14 @@ from gpu.requests import (
     check_invariants,
 )
 from gpu.sampling import is_greedy, row_logprobs, sample
-from gpu.step_plan import StepBudget, fills_a_step, plan_step
+from gpu.step_plan import StepBudget
 from gpu.structured.engine import StructuredEngine
 from gpu.structured.grammar import Compiled
 from messages.common import SamplingParams
+from messages.executor import Run
+
+if TYPE_CHECKING:
+    from actors.runtime.config import RuntimeConfig
 
 __all__ = ["Executor", "ExecutorInputError", "StepResult", "TokenOutput"]
 
@@ -130,11 +139,34 @@ class Executor:
             self.kv_dtype,
             self.device,
         )
-        self._prefilling: dict[str, RequestState] = {}
-        self._decoding: dict[str, RequestState] = {}
+        self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, list(self.eos_token_ids), self.device
+        )
+
+    @classmethod
+    def from_config(cls, cfg: RuntimeConfig) -> Executor:
+        """The executor a runtime's configuration describes (its executor, KV and scheduler
+        sections, the model and its context)."""
+        from gpu.kv_cache import resolve_num_blocks
+
+        x = cfg.executor
+        return cls(
+            cfg.model,
+            dtype=x.dtype,
+            device=x.device,
+            num_blocks=resolve_num_blocks(cfg),
+            block_size=cfg.kv.block_size,
+            chunk_cap=x.chunk_cap,
+            step_budget=x.step_budget,
+            max_batch_size=cfg.scheduler.max_batch_size,
+            long_prefill_threshold=x.long_prefill_threshold,
+            max_long_prefills=x.max_long_prefills,
+            decode_first=x.decode_first,
+            threads=x.threads,
+            max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=x.gpu_memory_utilization,
         )
 
     # ---- request management -------------------------------------------------------------
@@ -167,7 +199,7 @@ class Executor:
         the request and field; on error nothing changes.
         """
 
-        if request_id in self._prefilling or request_id in self._decoding:
+        if request_id in self.requests:
             raise ExecutorInputError(request_id, "request_id", "already in flight")
         prompt, table = list(prompt_ids), list(block_table)
         check_invariants(
@@ -206,52 +238,36 @@ class Executor:
             ),
             grammar=state,
         )
-        self._prefilling[request_id] = req
+        self.requests.add(req)
+
+    def start(self, run: Run, grammar: Compiled | None) -> None:
+        """``add_request`` for an ``x_run`` (the executor core's way in)."""
+        self.add_request(
+            run.request_id,
+            run.prompt_ids,
+            run.params,
+            run.block_table,
+            run.cached_tokens,
+            prior_output_tokens=run.output_offset,
+            grammar=grammar,
+        )
 
     def extend(self, request_id: str, new_blocks: list[int]) -> None:
         """Append ``new_blocks`` to the request's block table. Raises ExecutorInputError."""
-        req = self._prefilling.get(request_id) or self._decoding.get(request_id)
-        if req is None:
-            raise ExecutorInputError(request_id, "request_id", "no such request in flight")
-        blocks = list(new_blocks)
-        if any(not isinstance(b, int) or b < 0 or b >= self.num_blocks for b in blocks):
-            raise ExecutorInputError(
-                request_id, "new_blocks", f"block ids must be ints in [0, {self.num_blocks})"
-            )
-        req.table.extend(blocks)
+        self.requests.extend(request_id, new_blocks)
 
     def abort(self, request_id: str) -> bool:
         """Forget the request (abort or preemption); True if it was in flight."""
-        found = self._prefilling.pop(request_id, None) or self._decoding.pop(request_id, None)
-        return found is not None
+        return self.requests.abort(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._prefilling or self._decoding)
+        return self.requests.has_work()
 
     def num_requests(self) -> int:
-        return len(self._prefilling) + len(self._decoding)
+        return self.requests.num_requests()
 
     def fills_a_step(self) -> bool:
-        """Whether the requests held fill one step (``gpu.step_plan.fills_a_step``)."""
-        return fills_a_step(self._prefilling.values(), self.num_requests(), self.budget)
-
-    def capacity(self, request_id: str) -> int:
-        """Tokens the request's block table can hold (KeyError if not in flight). O(1)."""
-        req = self._prefilling.get(request_id) or self._decoding[request_id]
-        return len(req.table) * self.block_size
-
-    def kv_tokens_at_most(self, request_id: str) -> int:
-        """The most tokens of K/V the request will ever hold (``reservation.kv_tokens_at_most``;
-        KeyError if not in flight). O(1)."""
-        req = self._prefilling.get(request_id) or self._decoding[request_id]
-        return kv_tokens_at_most(
-            len(req.prompt), req.params.max_tokens - req.prior, self.max_model_len
-        )
-
-    def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (KeyError if not in flight)."""
-        req = self._prefilling.get(request_id) or self._decoding[request_id]
-        return list(req.table)
+        return self.requests.fills_a_step()
 
     # ---- stepping -----------------------------------------------------------------------
 
@@ -262,8 +278,7 @@ class Executor:
         the requests whose prompt this step completes: their prompt KV is in the cache once
         the step returns (whatever else happens in it; a forward that raises raises here)."""
         t0 = time.perf_counter()
-        bs = self.block_size
-        plan = plan_step(self._decoding.values(), self._prefilling.values(), self.budget, bs)
+        plan = self.requests.plan()
         decodes, chunks, skipped = plan.decodes, plan.chunks, plan.skipped
         if not decodes and not chunks:
             return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
@@ -337,8 +352,7 @@ class Executor:
                 finish, error = self.structured.finish(req, tok)
                 mask_s += time.perf_counter() - tm
                 if error is not None:
-                    self._prefilling.pop(req.rid, None)
-                    self._decoding.pop(req.rid, None)
+                    self.requests.abort(req.rid)
                     failed.append((req.rid, "structured", error))
                     continue
             elif tok in req.stop:
@@ -349,11 +363,9 @@ class Executor:
             ):
                 finish = "length"
             if finish is not None:
-                self._prefilling.pop(req.rid, None)
-                self._decoding.pop(req.rid, None)
+                self.requests.abort(req.rid)
             elif first:
-                del self._prefilling[req.rid]
-                self._decoding[req.rid] = req
+                self.requests.decodes(req)
             outputs.append(
                 TokenOutput(
                     req.rid, tok, lps[i], tops[i], finish, first, len(req.prompt) - req.prior, n_out

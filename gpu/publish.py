@@ -1,29 +1,33 @@
 """What one executor step tells its peers: the tokens for the tokenizer, the ends for the
 scheduler, the growth ahead of need for the KV manager. A function of the step's result and the
-flight ledger (which it updates); the actor only sends what it returns."""
+flight ledger (which it updates); the executor core (``gpu/core.py``) sends what it returns."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from actors.kv.reservation import grow_to
-from gpu.executor import Executor, StepResult
 from gpu.recovery import Flight, finished
+from gpu.requests import StepResult
 from messages.kv import Grow
 from messages.scheduler import RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent
+
+if TYPE_CHECKING:
+    from gpu.request_table import RequestTable
 
 
 def step_messages(
     result: StepResult,
     flight: dict[str, Flight],
-    ex: Executor,
+    requests: RequestTable,
     lookahead: int,
     kv_down: bool,
     log: Any,
+    clock: Callable[[], float],
 ) -> list[tuple[str, msgspec.Struct]]:
     """``(peer, message)`` pairs for ``result``, in sending order. Ended requests leave
     ``flight``; each running one records its tokens and the growth it asked for. With
@@ -59,7 +63,7 @@ def step_messages(
             log.info(
                 "executor.prefill_done",
                 request_id=rid,
-                ttft_s=round(time.monotonic() - fl.started, 6),
+                ttft_s=round(clock() - fl.started, 6),
             )  # (its PrefillDone went out when the step was planned)
         if out.finish_reason is not None:
             flight.pop(rid)
@@ -68,8 +72,8 @@ def step_messages(
         # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
         # what the request can still write (a full reservation holds that from the start).
         need = out.num_prompt_tokens + out.num_output_tokens
-        want = grow_to(need, lookahead, ex.kv_tokens_at_most(rid))
-        if ex.capacity(rid) < want and fl.grow_asked < want:
+        want = grow_to(need, lookahead, requests.kv_tokens_at_most(rid))
+        if requests.capacity(rid) < want and fl.grow_asked < want:
             fl.grow_asked = want
             if not kv_down:
                 grow = Grow(request_id=rid, attempt=fl.attempt, total_tokens=want)

@@ -7,6 +7,10 @@ client's ``Delta`` messages and one ``Final`` (``streams``). Stop strings end a 
 abort it upstream). A ``Cancel`` or a client whose connection is gone aborts its requests.
 The framing, handshake and error replies are the ``Actor`` base's, for both sockets. A request
 whose attempt dies with another actor is resumed, token for token (``resuming``, ``resume``).
+
+Over 300 lines: the one trust boundary, the socket shell of every client request's life (admit,
+stream, stop, cancel, fail, resume); its pure parts are ``requests``, ``streams``, ``clients``
+and ``resume``.
 """
 
 from __future__ import annotations

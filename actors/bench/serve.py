@@ -13,6 +13,9 @@ which defaults to the bench model). The SmolLM2 comparison with vLLM, for exampl
 
     minirt bench serve --start --model ~/.cache/minirt/models/SmolLM2-135M-Instruct \
         --workload docs-qa --compare --rounds 3
+
+Over 300 lines: one user-facing command whose steps (start, run, compare, report) share one
+argument set; each step is a short function.
 """
 
 from __future__ import annotations

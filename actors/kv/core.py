@@ -23,6 +23,9 @@ Messages for an attempt the core does not hold (stale after a preemption or a re
 ignored. Events (all ``kv.*`` / ``prefix.*``): kv.config, kv.refused, prefix.matched,
 kv.evicted, kv.allocated, kv.extended, kv.shortage, kv.released, kv.cached, kv.cache_error,
 kv.finish_error, kv.stale_request, kv.reset, kv.rebuilt, kv.rebuild_failed.
+
+Over 300 lines: one handler per KV message of the protocol, each short, over one ``KVManager``;
+the rebuild after a crash is ``rebuild.py``.
 """
 
 from __future__ import annotations

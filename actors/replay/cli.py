@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from actors.replay import stepmodel, workload
 
-# flag -> knob name in sim.KNOBS (the same spelling)
+# the knobs given as flags of their own (sim.KNOBS, the same spelling); the others are swept
 KNOB_FLAGS = (
     "policy",
     "max-batch-size",

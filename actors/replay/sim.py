@@ -17,53 +17,49 @@ from actors.replay.loop import Loop, SimLog
 from actors.replay.runlog import admit_to_run, decisions
 from actors.replay.stepmodel import StepModel
 from actors.replay.workload import Config, Recorded, RequestSpec
+from actors.runtime.config import options
+from actors.runtime.options import Option
 
-# knob (as on the command line, dashes) -> (section, field, type)
-KNOBS: dict[str, tuple[str, str, type]] = {
-    "policy": ("scheduler", "policy", str),
-    "max-batch-size": ("both", "max_batch_size", int),
-    "max-wait-s": ("scheduler", "max_wait_s", float),
-    "prefix-defer-tokens": ("scheduler", "prefix_defer_tokens", int),
-    "num-blocks": ("kv", "num_blocks", int),
-    "kv-mode": ("kv", "mode", str),
-    "chunk-cap": ("budget", "chunk_cap", int),
-    "step-budget": ("budget", "step_budget", int),
-    "long-prefill-threshold": ("budget", "long_prefill_threshold", int),
-    "max-long-prefills": ("budget", "max_long_prefills", int),
-    "decode-first": ("budget", "decode_first", bool),
-}
+# The settings a replay can change, as paths into RuntimeConfig. Each knob's name (its flag),
+# type, allowed values and help come from the config dataclasses, as the CLI's flags do
+# (actors/runtime/options.py): a setting added there is replayable by adding its path here.
+REPLAYABLE = (
+    ("scheduler", "policy"),
+    ("scheduler", "max_batch_size"),
+    ("scheduler", "max_wait_s"),
+    ("scheduler", "prefix_defer_tokens"),
+    ("kv", "num_blocks"),
+    ("kv", "mode"),
+    ("executor", "chunk_cap"),
+    ("executor", "step_budget"),
+    ("executor", "long_prefill_threshold"),
+    ("executor", "max_long_prefills"),
+    ("executor", "decode_first"),
+)
+KNOBS: dict[str, Option] = {o.flag: o for o in options() if o.path in REPLAYABLE}
 
 
 def parse_knob(name: str, value: str) -> Any:
     if name not in KNOBS:
         raise ValueError(f"unknown knob {name!r}; known: {', '.join(KNOBS)}")
-    kind = KNOBS[name][2]
-    try:
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1")
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"--{name}: {value!r} is not a {kind.__name__}") from None
+    return KNOBS[name].parse(value, f"--{name}")
 
 
 def configured(base: Config, knobs: dict[str, Any]) -> Config:
-    """A copy of ``base`` with ``knobs`` (names as in ``KNOBS``) changed."""
+    """A copy of ``base`` with ``knobs`` (names as in ``KNOBS``) changed. The executor's
+    settings are its step budget's (``max_batch_size`` bounds both the scheduler and it)."""
     cfg = copy.deepcopy(base)
     for name, value in knobs.items():
-        section, fld, _ = KNOBS[name]
-        if section in ("scheduler", "both"):
+        section, fld = KNOBS[name].path
+        if section == "scheduler":
             setattr(cfg.scheduler, fld, value)
-        if section == "both" or section == "budget":
+        if section == "executor" or fld == "max_batch_size":
             cfg.budget = replace(cfg.budget, **{fld: value})
         if section == "kv":
             setattr(cfg.kv, fld, value)
             if fld == "num_blocks":
                 cfg.num_blocks = value
     cfg.budget.check()
-    if cfg.kv.mode not in ("full", "on_demand"):
-        raise ValueError(f"--kv-mode: {cfg.kv.mode!r} is not full or on_demand")
     if cfg.num_blocks < 1 or cfg.scheduler.max_batch_size < 1:
         raise ValueError("--num-blocks and --max-batch-size must be >= 1")
     return cfg

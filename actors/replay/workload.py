@@ -6,6 +6,9 @@ outcome in the shape ``minirt bench serve`` records (so the same report code sum
 ``RUN_DIR`` is a run directory (``RUN_DIR/events/*.jsonl``) or a ``minirt bench serve`` report
 directory (``report.json`` plus ``runs/RUN/events/``): then the client-side records are the recorded
 outcome and the request tags (``long``/``short``) come along.
+
+Over 300 lines: one reader per part of a recorded run (configuration, arrivals, steps,
+outcomes), all over the same merged events.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ inbox. The first message on each connection is ``Hello`` (protocol version); the
 frame gets an ``ErrorReply`` on the same connection and a ``protocol.error`` event, and the actor
 carries on. Handlers are synchronous (policy, no awaits); their sends are queued and flushed by
 the loop, so a handler never waits on a peer.
+
+Over 300 lines: the one base every actor shares (inbox, peers, handshake, liveness, framing);
+its parts are the protocol's and change together.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ the field's name with dashes (``kv.num_blocks`` is ``--num-blocks``) unless its 
 another, and the variable is the flag in capitals (``MINIRT_NUM_BLOCKS``). Adding a field, or a
 section (a dataclass-typed field of ``RuntimeConfig``), is all it takes to get both; its
 ``metadata=doc(...)`` gives the help text and, where the type does not, the allowed values.
+
+Over 300 lines: the dataclasses are the single source of every flag, variable and TOML key, one
+field with its help per setting.
 """
 
 from __future__ import annotations

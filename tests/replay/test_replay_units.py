@@ -227,8 +227,8 @@ def test_cli_fit_stores_the_model_next_to_the_run(tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--policy", "fifo"], "unknown scheduler policy"),
-        (["--max-batch-size", "many"], "--max-batch-size: 'many' is not a int"),
+        (["--policy", "fifo"], "--policy (scheduler.policy): 'fifo' is not one of"),
+        (["--max-batch-size", "many"], "--max-batch-size (scheduler.max_batch_size): 'many'"),
         (["--sweep", "batch=1,2"], "unknown knob 'batch'"),
         (["--sweep", "max-batch-size"], "expected KNOB=V1,V2"),
         (["--kv-mode", "sometimes"], "--kv-mode"),
