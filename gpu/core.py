@@ -116,23 +116,16 @@ class ExecutorCore:
         if isinstance(msg, xm.Extend):
             self.requests.extend(msg.request_id, msg.blocks)
             self.log.debug("executor.extended", request_id=msg.request_id, blocks=msg.blocks)
-        elif isinstance(msg, xm.Preempt):
-            fl = self._end(msg.request_id, "preempted")
-            self.log.info(
-                "executor.preempted",
-                request_id=msg.request_id,
-                attempt=fl.attempt,
-                output_tokens=len(fl.outputs),
-            )
-        elif isinstance(msg, xm.Stop):
-            fl = self._end(msg.request_id, "aborted")
-            self.log.info(
-                "executor.aborted",
-                request_id=msg.request_id,
-                attempt=fl.attempt,
-                output_tokens=len(fl.outputs),
-                reason=msg.reason,
-            )
+        else:  # x_preempt or x_stop
+            preempt = isinstance(msg, xm.Preempt)
+            fl = self._end(msg.request_id, "preempted" if preempt else "aborted")
+            what = {"request_id": msg.request_id, "attempt": fl.attempt}
+            if preempt:
+                self.log.info("executor.preempted", **what, output_tokens=len(fl.outputs))
+            else:
+                self.log.info(
+                    "executor.aborted", **what, output_tokens=len(fl.outputs), reason=msg.reason
+                )
 
     def _stop_building(self, rid: str, attempt: int | None = None) -> bool:
         return self.builds is not None and self.builds.drop(rid, attempt)

@@ -1,16 +1,10 @@
 """The tokenizer service (the front door): its sockets and the dispatch of what arrives on them.
 
 Clients connect a DEALER to the client endpoint (a ROUTER beside the actor's inbox). A ``Generate``
-is validated and tokenized (``requests``), given a runtime-wide id scoped to its connection
-(``clients``) and submitted to the scheduler; the executor's ``TokenBatch`` events become the
-client's ``Delta`` messages and one ``Final`` (``streams``). Stop strings end a request here (and
-abort it upstream). A ``Cancel`` or a client whose connection is gone aborts its requests.
-The framing, handshake and error replies are the ``Actor`` base's, for both sockets. A request
-whose attempt dies with another actor is resumed, token for token (``resuming``, ``resume``).
-
-Over 300 lines: the one trust boundary, the socket shell of every client request's life (admit,
-stream, stop, cancel, fail, resume); its pure parts are ``requests``, ``streams``, ``clients``
-and ``resume``.
+is validated, tokenized and its constraint compiled (``requests``: the runtime's one trust
+boundary), given a runtime-wide id scoped to its connection (``clients``) and handed to the core
+(``core.FrontDoorCore``), which decides the rest of its life: its stream, stop strings, ends and
+resumes. The framing, handshake and error replies are the ``Actor`` base's, for both sockets.
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 import zmq
 
@@ -33,26 +26,22 @@ from actors.runtime.transport import ZSocket
 from messages import client as cm
 from messages.codec import Decoder
 from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Pong, Reconcile
-from messages.scheduler import Abort
 from messages.tokenizer import (
     Cancel,
     FromClient,
     Generate,
-    RequestAdmitted,
-    RequestFailed,
-    TokenBatch,
     TokenizerInbound,
 )
 from tokenizer_svc.clients import ClientEndpoint
+from tokenizer_svc.core import FrontDoorCore
 from tokenizer_svc.requests import Invalid, Prompts, check_request
-from tokenizer_svc.resume import Resume, already_ended, check_resume_ids
-from tokenizer_svc.resuming import Live, ResumingMixin
-from tokenizer_svc.streams import Stream, completed
+from tokenizer_svc.resume import Resume, check_resume_ids
+from tokenizer_svc.streams import Stream
 
 SETTLE_EVERY = 1024  # client frames read, at most, before clients found gone are settled
 
 
-class TokenizerService(ResumingMixin, Actor):
+class TokenizerService(Actor):
     name = "tokenizer"
     inbound = TokenizerInbound
 
@@ -74,7 +63,8 @@ class TokenizerService(ResumingMixin, Actor):
         self.clients = ClientEndpoint(
             self._send_to_client, self._clients_gone, self.boot_id, self.log, self._wake_reader
         )
-        self.live: dict[str, Live] = {}  # by runtime-wide id
+        self.core = FrontDoorCore(self.clients, self.log, self.eos_ids)
+        self.live = self.core.live  # by runtime-wide id
         self.prompts = Prompts()
 
     def open(self) -> None:
@@ -168,7 +158,8 @@ class TokenizerService(ResumingMixin, Actor):
             # only the client's own requests: another client's ids are not even visible
             live = self.live.get(self.clients.lookup(ident, msg.request_id) or "")
             if live is not None:
-                self._abort(live, "cancel", notify_client=True)
+                self.core.abort(live, "cancel", trio.current_time())
+                self._flush()
             else:
                 self.log.info("client.cancel_ignored", client_request_id=msg.request_id)
 
@@ -222,33 +213,21 @@ class TokenizerService(ResumingMixin, Actor):
         if why:
             self._refuse(ident, rid, ErrorCode.INVALID, f"resume_ids: {why}", "resume_ids")
             return
+        now = trio.current_time()
         stream = Stream(
             rid,
             self.tokenizer,
             len(ids),
             msg.stop,
-            trio.current_time(),
+            now,
             want_logprobs=params.logprobs is not None,
             min_tokens=params.min_tokens,
         )
         resume = Resume(ids, params, time.time(), grammar=checked.grammar)
-        live = self.live[internal] = Live(ident, internal, stream, resume)
-        self.clients.send(ident, cm.Accepted(request_id=rid, prompt_tokens=len(ids)))
-        if msg.resume_ids:  # the client resumes a stream its connection's predecessor lost
-            stream.prime(msg.resume_ids)
-            resume.resumes, resume.reason = 1, "tokenizer restarted"
-            self.log.info("client.resumed", request_id=internal, output_tokens=len(msg.resume_ids))
-            ended = already_ended(msg.resume_ids, params, self.eos_ids)
-            if ended is not None:  # everything was received but the final
-                self._finish(live, ended, None)
-                return
-        if self.down:  # a peer died and is being restarted: the request waits, as a resumed
-            # one does, and is submitted once the runtime serves (or fails after the resume
-            # window, tokenizer_svc/resume.py)
-            resume.pending_since = trio.current_time()
-            self.log.info("client.held", request_id=internal, waiting_for=sorted(self.down))
-            return
-        self.send("scheduler", resume.submit(internal, stream.token_ids))
+        # a peer died and is being restarted: the request waits, as a resumed one does, and is
+        # submitted once the runtime serves (or fails after the resume window, resume.py)
+        self.core.start(ident, internal, stream, resume, msg.resume_ids, sorted(self.down), now)
+        self._flush()
 
     def _refuse(
         self, ident: bytes, rid: str, code: ErrorCode, message: str, field: str | None = None
@@ -258,100 +237,29 @@ class TokenizerService(ResumingMixin, Actor):
         )
 
     def _clients_gone(self, internal_ids: list[str]) -> None:
-        for internal in internal_ids:
-            live = self.live.get(internal)
-            if live is not None:
-                self._abort(live, "disconnect", notify_client=False)
+        self.core.clients_gone(internal_ids, trio.current_time())
+        self._flush()
+
+    def _flush(self) -> None:
+        for peer, msg in self.core.take_outbox():
+            self.send(peer, msg)
 
     # ------------------------------------------------------------ actor side
     def handle(self, ident: bytes, msg: Any) -> None:
-        if isinstance(msg, TokenBatch):
-            now = trio.current_time()
-            with self.clients.batching():  # one frame per client that takes batches
-                for ev in msg.events:
-                    live = self.live.get(ev.request_id)
-                    if live is None:
-                        continue  # aborted or already ended by a stop string
-                    delta, ending = live.stream.token(ev, now)
-                    live.resume.progressed = True
-                    self.clients.send(live.ident, delta)
-                    if ev.request_id not in self.live:
-                        continue  # that send found the client gone, which aborted the request
-                    if ending is not None:
-                        if ending.abort_upstream:
-                            self.send(
-                                "scheduler",
-                                Abort(request_id=live.internal_id, reason="stop_string"),
-                            )
-                        self._finish(live, ending.finish_reason, ending.stop_reason)
-        elif isinstance(msg, RequestAdmitted):
-            live = self.live.get(msg.request_id)
-            if live is not None:
-                live.stream.admitted(msg.cached_tokens, msg.queue_s)
-                live.resume.progressed = True
-        elif isinstance(msg, RequestFailed):
-            live = self.live.get(msg.request_id)
-            if live is not None and msg.code == ErrorCode.ACTOR_DEAD:
-                self._lose(live, msg.message)  # an actor died or the runtime settles: resume
-            elif live is not None:
-                self._fail(live, msg.code, msg.message, msg.field)
-        elif isinstance(msg, Reconcile):
-            self.reply(ident, self.live_requests())
+        if isinstance(msg, Reconcile):
+            self.reply(ident, self.core.live_requests())
+        else:
+            self.core.handle(msg, trio.current_time())
+        self._flush()
 
     def on_peer_dead(self, name: str, reason: str) -> None:
-        if name in ("kv_manager", "scheduler"):
-            # nothing is lost: the executor keeps running; the KV manager's successor rebuilds
-            # its pool, the scheduler's asks every peer what it holds (reconcile)
-            return
-        for live in list(self.live.values()):
-            if live.internal_id in self.live:  # not ended meanwhile by its client's disconnect
-                self._lose(live, reason)
+        self.core.peer_dead(name, reason, trio.current_time())
+        self._flush()
 
-    # ------------------------------------------------------------ endings
-    def _forget(self, live: Live) -> None:
-        # First, before any send to the client: a send that finds the client gone aborts its
-        # requests in flight, and this one must not be among them (it would end twice).
-        self.live.pop(live.internal_id, None)
-        self.clients.close(live.ident, live.stream.request_id)
-
-    def _abort(self, live: Live, reason: str, notify_client: bool) -> None:
-        self.log.info(
-            "client.aborted",
-            request_id=live.internal_id,
-            client_request_id=live.stream.request_id,
-            reason=reason,
-        )
-        self.send("scheduler", Abort(request_id=live.internal_id, reason=reason))
-        self._finish(live, "abort", None, notify_client=notify_client)
-
-    def _fail(self, live: Live, code: str, message: str, field: str | None = None) -> None:
-        """End the request with an error to its client and the terminal ``client.failed`` event."""
-        self._forget(live)
-        rid = live.stream.request_id
-        self.log.info(
-            "client.failed",
-            request_id=live.internal_id,
-            client_request_id=rid,
-            code=code,
-            reason=message,
-        )
-        self._refuse(live.ident, rid, ErrorCode(code), message, field)
-
-    def _finish(
-        self, live: Live, reason: str, stop_reason: str | None, notify_client: bool = True
-    ) -> None:
-        """End the request: ``Final`` to the client (unless it is gone), metrics to the scheduler,
-        and the terminal ``client.completed`` event."""
-        self._forget(live)
-        final = live.stream.final(reason, stop_reason, trio.current_time())
-        if notify_client:
-            self.clients.send(live.ident, final)
-        self.send("scheduler", completed(live.internal_id, final))
-        self.log.info(
-            "client.completed",
-            request_id=live.internal_id,
-            client_request_id=final.request_id,
-            finish_reason=reason,
-            usage=msgspec.structs.asdict(final.usage),
-            timings=msgspec.structs.asdict(final.timings),
-        )
+    async def _resume_loop(self) -> None:
+        """Submit the pending requests again once the runtime serves; fail those that waited
+        too long."""
+        while True:
+            await trio.sleep(0.1)
+            self.core.resume_due(trio.current_time(), self.is_ready())
+            self._flush()

@@ -7,7 +7,9 @@ string (held back until the next token decides), plus its logprobs when they wer
 stop string ends the stream (``stop``, the string as ``stop_reason``, the request aborted
 upstream) unless fewer than the request's ``min_tokens`` tokens have been generated. On the last
 token the held-back text is flushed. ``final`` gives the closing ``Final`` with usage and timings,
-and ``completed`` the scheduler's metrics record of it.
+and ``completed`` the scheduler's metrics record of it. Without a tokenizer a stream carries
+token ids only (no text, so no stop string can match): the replay's, whose tokens stand for
+recorded ones.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Stream:
         self.arrival = arrival
         self.want_logprobs = want_logprobs
         self.min_tokens = min_tokens
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(stops)
         self.first_t = 0.0
         self.last_t = 0.0
@@ -69,7 +71,10 @@ class Stream:
         for t in token_ids:
             self.completion_tokens += 1
             self.token_ids.append(t)
-            self.stops.feed(self.detok.push(t), self.completion_tokens >= self.min_tokens)
+            self.stops.feed(self._text(t), self.completion_tokens >= self.min_tokens)
+
+    def _text(self, token_id: int) -> str:
+        return self.detok.push(token_id) if self.detok is not None else ""
 
     def admitted(self, cached_tokens: int, queue_s: float) -> None:
         """The scheduler admitted the request (again, after a preemption)."""
@@ -85,9 +90,9 @@ class Stream:
         self.completion_tokens += 1
         self.token_ids.append(ev.token_id)
         armed = self.completion_tokens >= self.min_tokens
-        text, matched = self.stops.feed(self.detok.push(ev.token_id), armed)
+        text, matched = self.stops.feed(self._text(ev.token_id), armed)
         if matched is None and ev.finish_reason is not None:
-            more, matched = self.stops.feed(self.detok.flush(), armed)
+            more, matched = self.stops.feed(self.detok.flush() if self.detok else "", armed)
             text += more if matched else more + self.stops.flush()
         delta = cm.Delta(request_id=self.request_id, text=text, token_ids=[ev.token_id])
         if self.want_logprobs and ev.logprob is not None:

@@ -8,6 +8,7 @@ burst when the core says so, step, send the core's outbox."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -128,12 +129,7 @@ class SimExecutor:
             device="simulated",
             num_blocks=num_blocks,
             block_size=block_size,
-            step_budget=budget.step_budget,
-            chunk_cap=budget.chunk_cap,
-            max_batch_size=budget.max_batch_size,
-            long_prefill_threshold=budget.long_prefill_threshold,
-            max_long_prefills=budget.max_long_prefills,
-            decode_first=budget.decode_first,
+            **dataclasses.asdict(budget),
             burst_wait_ms=burst_wait_s * 1000.0,
         )
 
