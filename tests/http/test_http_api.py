@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from tests.support.http_server import (
     MAX_NEW,
@@ -17,22 +16,8 @@ from tests.support.http_server import (
 )
 from tests.support.runtime import hf_greedy, poll_until
 
-pytest_plugins = ("tests.support.http_fixture",)  # one runtime for this module and its sibling
-
-
-@pytest.fixture(scope="module")
-def server(http_runtime):
-    return http_runtime
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture
-def client(server):
-    return server.client()
+pytest_plugins = ("tests.support.http_fixture",)  # one runtime (server, client, tok) for this
+# module and its sibling
 
 
 def test_greedy_completion_equals_transformers(server, client, tok):

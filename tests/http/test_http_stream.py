@@ -7,29 +7,13 @@ from __future__ import annotations
 import json
 import socket
 
-import pytest
 import trio
-from transformers import AutoTokenizer
 
 from tests.support.http_server import MAX_NEW, PROMPT, aclient, random_ids
 from tests.support.runtime import hf_greedy
 
-pytest_plugins = ("tests.support.http_fixture",)  # one runtime for this module and its sibling
-
-
-@pytest.fixture(scope="module")
-def server(http_runtime):
-    return http_runtime
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture
-def client(server):
-    return server.client()
+pytest_plugins = ("tests.support.http_fixture",)  # one runtime (server, client, tok) for this
+# module and its sibling
 
 
 def test_stream_deltas_equal_the_full_text_and_usage_comes_only_when_asked(server, client):
