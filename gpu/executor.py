@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu import cpu_ops, loader
+from gpu import loader
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, loaded_pool
-from gpu.logits_processors import LogitsProcessors, apply_processors
+from gpu.logits_processors import LogitsProcessors
 from gpu.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from gpu.model import LlamaFamilyModel
 from gpu.request_table import RequestTable
@@ -34,7 +34,7 @@ from gpu.requests import (
     TokenOutput,
     check_invariants,
 )
-from gpu.sampling import is_greedy, row_logprobs, sample
+from gpu.sampling import row_logprobs, sample_rows
 from gpu.step_plan import StepBudget
 from gpu.structured.engine import StructuredEngine
 from gpu.structured.grammar import Compiled
@@ -285,8 +285,7 @@ class Executor:
         if on_planned is not None and (finals := plan.completing()):
             on_planned([r.rid for r in finals])
 
-        decode_ctx = sum(r.computed for r in decodes)  # the step's shape, for step-time models
-        prefill_ctx = sum(c * (r.computed + c) for r, c in chunks)
+        shape = plan.shape()  # for step-time models
         ids = [r.out[-1] for r in decodes]
         pos = [r.computed for r in decodes]
         logit_rows = list(range(len(decodes)))
@@ -322,7 +321,7 @@ class Executor:
             tm = time.perf_counter()
             masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
             mask_s = time.perf_counter() - tm
-        tokens_t = self._sample(masked, samplers)
+        tokens_t = sample_rows(masked, samplers)
         tokens = tokens_t.tolist()
         forward_s = time.perf_counter() - t1
         lps, tops = row_logprobs(logits, tokens_t, [r.params for r in samplers])  # before the mask
@@ -371,10 +370,9 @@ class Executor:
                     req.rid, tok, lps[i], tops[i], finish, first, len(req.prompt) - req.prior, n_out
                 )
             )
-        n_pre = sum(c for _, c in chunks)
         return StepResult(
             outputs,
-            n_pre,
+            shape.prefill_tokens,
             len(decodes),
             len(decodes) + len(chunks),
             skipped,
@@ -383,26 +381,6 @@ class Executor:
             mask_s,
             sum(r.grammar is not None for r in samplers),
             failed,
-            decode_ctx=decode_ctx,
-            prefill_ctx=prefill_ctx,
-        )
-
-    def _sample(self, logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
-        """Tokens for the sampling rows; logit processors first, on their rows only (a batch of
-        requests without penalties, bias or min_tokens takes the same path as without them)."""
-        procs = [
-            (i, r.procs, r.prior + len(r.out)) for i, r in enumerate(reqs) if r.procs is not None
-        ]
-        if procs:
-            logits = apply_processors(logits, procs)
-        if all(is_greedy(r.params) for r in reqs):
-            # same indices as argmax (first maximum), 3x faster on CPU: [64, 32000] 2.5 -> 0.85 ms;
-            # one C pass where it applies (see gpu.cpu_ops.argmax)
-            fused = cpu_ops.argmax(logits)
-            return fused if fused is not None else logits.max(dim=-1).indices
-        return sample(
-            logits,
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.prior + len(r.out) for r in reqs],
+            decode_ctx=shape.decode_ctx,
+            prefill_ctx=shape.prefill_ctx,
         )

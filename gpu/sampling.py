@@ -10,9 +10,16 @@ temperature, top-k, top-p, min-p; then a categorical draw by the exponential rac
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from gpu import cpu_ops
+from gpu.logits_processors import apply_processors
 from messages.common import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu.requests import RequestState
 
 _M64 = (1 << 64) - 1
 
@@ -131,3 +138,23 @@ def row_logprobs(
         lps[i] = chosen[j]
         top_out[i] = tops[j][: params[i].logprobs]
     return lps, top_out
+
+
+def sample_rows(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
+    """A step's tokens, one per sampling row of ``reqs``: logit processors first, on their rows
+    only (a batch of requests without penalties, bias or min_tokens takes the same path as
+    without them), then greedy or seeded sampling."""
+    procs = [(i, r.procs, r.prior + len(r.out)) for i, r in enumerate(reqs) if r.procs is not None]
+    if procs:
+        logits = apply_processors(logits, procs)
+    if all(is_greedy(r.params) for r in reqs):
+        # same indices as argmax (first maximum), 3x faster on CPU: [64, 32000] 2.5 -> 0.85 ms;
+        # one C pass where it applies (see gpu.cpu_ops.argmax)
+        fused = cpu_ops.argmax(logits)
+        return fused if fused is not None else logits.max(dim=-1).indices
+    return sample(
+        logits,
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.prior + len(r.out) for r in reqs],
+    )

@@ -43,11 +43,34 @@ class StepBudget:
             raise ValueError("long_prefill_threshold must be >= 0 and max_long_prefills >= 1")
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """A planned step's size, what step-time models fit on: prompt tokens, decode rows, prefill
+    chunks, the keys the decodes' attention reads (``decode_ctx``) and the chunks' attention
+    work (``prefill_ctx``: sum of chunk x (start + chunk))."""
+
+    prefill_tokens: int
+    decodes: int
+    chunks: int
+    decode_ctx: int
+    prefill_ctx: int
+
+
 @dataclass
 class StepPlan:
     decodes: list[RequestState]
     chunks: list[tuple[RequestState, int]]
     skipped: list[str]
+
+    def shape(self) -> StepShape:
+        """The step's size (before the step is applied)."""
+        return StepShape(
+            sum(c for _, c in self.chunks),
+            len(self.decodes),
+            len(self.chunks),
+            sum(r.computed for r in self.decodes),
+            sum(c * (r.computed + c) for r, c in self.chunks),
+        )
 
     def completing(self) -> list[RequestState]:
         """The requests whose prompt this step's chunks complete (before the step is applied)."""

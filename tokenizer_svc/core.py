@@ -15,7 +15,6 @@ recorder of what each would have received.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -238,13 +237,10 @@ class FrontDoorCore:
             resumes=live.resume.resumes,
         )
 
-    def pending(self) -> Iterator[Live]:
-        return iter([lv for lv in self.live.values() if lv.resume.pending])
-
     def resume_due(self, now: float, serving: bool) -> None:
         """Submit the pending requests again if the runtime serves; fail those that waited
         too long."""
-        for live in self.pending():
+        for live in [lv for lv in self.live.values() if lv.resume.pending]:
             expired = live.resume.expired(now)
             if expired:
                 self.fail(live, ErrorCode.ACTOR_DEAD, expired)

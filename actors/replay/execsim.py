@@ -18,7 +18,7 @@ from actors.replay.stepmodel import StepModel
 from gpu.core import ExecutorCore
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
-from gpu.step_plan import StepBudget, StepPlan
+from gpu.step_plan import StepBudget, StepPlan, StepShape
 from gpu.structured.grammar import Compiled
 from messages.executor import Run
 
@@ -58,26 +58,24 @@ class ScriptedRunner:
     def plan(self) -> StepPlan | None:
         return self.requests.plan() if self.requests.has_work() else None
 
-    def finish(self, plan: StepPlan, dt: float) -> StepResult:
-        """What the step ``plan`` produced after ``dt`` seconds: each sampling request's next
-        token from its script."""
+    def finish(self, plan: StepPlan, shape: StepShape, dt: float) -> StepResult:
+        """What the step ``plan`` (of ``shape``) produced after ``dt`` seconds: each sampling
+        request's next token from its script."""
         sampling = [*plan.decodes, *plan.completing()]
-        decode_ctx = sum(r.computed for r in plan.decodes)
-        prefill_ctx = sum(c * (r.computed + c) for r, c in plan.chunks)
         for r in plan.decodes:
             r.computed += 1
         for r, c in plan.chunks:
             r.computed += c
         return StepResult(
             [self._produce(r) for r in sampling],
-            sum(c for _, c in plan.chunks),
-            len(plan.decodes),
-            len(plan.decodes) + len(plan.chunks),
+            shape.prefill_tokens,
+            shape.decodes,
+            shape.decodes + shape.chunks,
             plan.skipped,
             dt,
             dt,
-            decode_ctx=decode_ctx,
-            prefill_ctx=prefill_ctx,
+            decode_ctx=shape.decode_ctx,
+            prefill_ctx=shape.prefill_ctx,
         )
 
     def _produce(self, req: RequestState) -> TokenOutput:
@@ -178,15 +176,15 @@ class SimExecutor:
         if plan is None or not (plan.decodes or plan.chunks):
             self.busy = False  # idle, or every decode waits for a block: the next message wakes us
             return
-        dctx = sum(r.computed for r in plan.decodes)
-        pctx = sum(c * (r.computed + c) for r, c in plan.chunks)
-        pre = sum(c for _, c in plan.chunks)
-        dt = self.model.predict(pre, len(plan.decodes), len(plan.chunks), dctx, pctx)
+        shape = plan.shape()
+        dt = self.model.predict(
+            shape.prefill_tokens, shape.decodes, shape.chunks, shape.decode_ctx, shape.prefill_ctx
+        )
         self.core.planned([r.rid for r in plan.completing()])
         self._flush()
-        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, dt)
+        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, shape, dt)
 
-    def _step_done(self, plan: StepPlan, dt: float) -> None:
-        self.core.stepped(self.runner.finish(plan, dt), dt, 0.0)
+    def _step_done(self, plan: StepPlan, shape: StepShape, dt: float) -> None:
+        self.core.stepped(self.runner.finish(plan, shape, dt), dt, 0.0)
         self._flush()
         self._iterate()

@@ -5,10 +5,8 @@ inbox. The first message on each connection is ``Hello`` (protocol version); the
 ``HelloAck`` and refuses a mismatch. Frames are decoded with the actor's typed decoder; a bad
 frame gets an ``ErrorReply`` on the same connection and a ``protocol.error`` event, and the actor
 carries on. Handlers are synchronous (policy, no awaits); their sends are queued and flushed by
-the loop, so a handler never waits on a peer.
-
-Over 300 lines: the one base every actor shares (inbox, peers, handshake, liveness, framing);
-its parts are the protocol's and change together.
+the loop, so a handler never waits on a peer. Liveness (``liveness``), the send queues
+(``outbox``) and the sockets (``transport``) are parts of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import zmq
 
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.events import get_logger
+from actors.runtime.exits import open_pidfd, wait_exit
 from actors.runtime.liveness import Change, Kind, Liveness, LoopLag, host_id
 from actors.runtime.outbox import Outbox
 from actors.runtime.transport import ZSocket, open_socket, set_immediate
@@ -187,18 +186,7 @@ class Actor:
         if isinstance(msg, Hello):
             on_hello(ident, msg)
         elif isinstance(msg, Ping):
-            reply(
-                ident,
-                Pong(
-                    actor=self.name,
-                    nonce=msg.nonce,
-                    pid=os.getpid(),
-                    boot_id=self.boot_id,
-                    ready=self.is_ready(),
-                    host=host_id(),
-                    busy_ms=round(1000 * max(self.lag.recent_s, self.busy_s()), 1),
-                ),
-            )
+            reply(ident, self.pong(msg.nonce))
         else:
             try:
                 handle(ident, msg)
@@ -216,6 +204,19 @@ class Actor:
                         request_id=getattr(msg, "request_id", None),
                     ),
                 )
+
+    def pong(self, nonce: int) -> Pong:
+        """The answer to a ``ping``: who this is, whether it takes work, how busy it was."""
+        busy_ms = round(1000 * max(self.lag.recent_s, self.busy_s()), 1)
+        return Pong(
+            actor=self.name,
+            nonce=nonce,
+            pid=os.getpid(),
+            boot_id=self.boot_id,
+            ready=self.is_ready(),
+            host=host_id(),
+            busy_ms=busy_ms,
+        )
 
     def version_refusal(self, msg: Hello, socket: str = "inbox") -> str:
         """Why ``msg``'s protocol version is refused (logged as ``protocol.error``), or ""."""
@@ -298,27 +299,15 @@ class Actor:
                 self.on_peer_reply(peer, msg)
 
     def _watch(self, peer: str, pong: Pong) -> None:
-        """Watch ``peer``'s process for its exit when it runs on this host (a pidfd: readable
-        once the process is gone): its death is then known at once, and silence alone never
-        declares it dead (liveness.py)."""
-        fd: int | None = None
-        if pong.host == host_id() and self._nursery is not None:
-            try:
-                fd = os.pidfd_open(pong.pid)
-            except ProcessLookupError:  # already gone
-                fd = -1
-            except OSError as e:  # no pidfd here: silence's long bound decides instead
-                self.log.warning("peer.unwatched", peer=peer, peer_pid=pong.pid, reason=str(e))
+        """Watch ``peer``'s process for its exit when it runs on this host (``exits``)."""
+        here = pong.host == host_id() and self._nursery is not None
+        fd = open_pidfd(pong.pid, peer, self.log) if here else None
         self.liveness.watch(peer, pong.boot_id, fd is not None)
         if fd is not None and self._nursery is not None:
             self._nursery.start_soon(self._await_exit, peer, pong.boot_id, pong.pid, fd)
 
     async def _await_exit(self, peer: str, boot_id: str, pid: int, fd: int) -> None:
-        if fd >= 0:
-            try:
-                await trio.lowlevel.wait_readable(fd)
-            finally:
-                os.close(fd)
+        await wait_exit(fd)
         change = self.liveness.exited(peer, boot_id, f"its process {pid} exited")
         if change is not None:
             self._peer_changed(change, pid)

@@ -217,16 +217,16 @@ PENALIZED = dict(
 
 
 def test_plain_batches_skip_the_processors(tiny_model, monkeypatch):
-    import gpu.executor
+    import gpu.sampling
 
     calls: list[list[int]] = []  # per call: outputs so far of each processed row
-    real = gpu.executor.apply_processors
+    real = gpu.sampling.apply_processors
 
     def spy(logits, rows):
         calls.append([n for _, _, n in rows])
         return real(logits, rows)
 
-    monkeypatch.setattr(gpu.executor, "apply_processors", spy)
+    monkeypatch.setattr(gpu.sampling, "apply_processors", spy)
     ex = Executor(tiny_model, num_blocks=128)
     plain = {
         "g": ([5, 6, 7], SamplingParams(max_tokens=6)),

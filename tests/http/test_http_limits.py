@@ -81,12 +81,16 @@ async def _response(stream: trio.SocketStream) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-async def _trickle(stream: trio.SocketStream, data: bytes, every_s: float) -> None:
-    """One byte every ``every_s`` (virtual) seconds, until the server hangs up."""
+async def _trickle(
+    stream: trio.SocketStream, data: bytes, clock: trio.testing.MockClock, every_s: float
+) -> None:
+    """One byte, then the clock moved on ``every_s`` once the server has taken it in, until
+    the server hangs up."""
     try:
         for i in range(len(data)):
             await stream.send_all(data[i : i + 1])
-            await trio.sleep(every_s)
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(every_s)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
 
@@ -97,7 +101,7 @@ async def test_a_client_trickling_its_headers_is_dropped(http, clock):
     head = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"a" * 100 + b"\r\n\r\n"
     t0 = trio.current_time()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_trickle, stream, head, 1.0)  # would take 140 s
+        nursery.start_soon(_trickle, stream, head, clock, 1.0)  # would take 140 s
         answer = await _read_all(stream)
         nursery.cancel_scope.cancel()
     assert answer == b""  # closed without an answer: the request never started
@@ -115,7 +119,7 @@ async def test_a_client_trickling_its_body_gets_408(http, clock):
     await stream.send_all(head)
     t0 = trio.current_time()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_trickle, stream, body, 1.0)  # would take 210 s
+        nursery.start_soon(_trickle, stream, body, clock, 1.0)  # would take 210 s
         answer = await _read_all(stream)
         nursery.cancel_scope.cancel()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
@@ -154,7 +158,8 @@ async def test_past_the_connection_limit_a_new_one_gets_503_and_the_open_ones_ar
     assert (await _response(held[0])).startswith(b"HTTP/1.1 200")
     # and a closed one makes room (hypercorn ends its side within the keep-alive time)
     await held[1].aclose()
-    await trio.sleep(KEEP_ALIVE_S + 0.5)  # virtual
+    clock.jump(KEEP_ALIVE_S + 0.5)
+    await trio.testing.wait_all_tasks_blocked()
     assert connections.open < 3
     again = await _connect(port)
     await again.send_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")

@@ -18,6 +18,7 @@ import trio
 from actors.client import open_client
 from tests.reliability.test_soak import FLAGS, TERMINAL, soak
 from tests.support.runtime import kv_stats, start_runtime, wait_until
+from tests.support.steps import Steps
 
 VICTIMS = ("scheduler", "kv_manager", "executor")
 KILLS_PER_ACTOR = 4  # the supervisor gives up on an actor after 5 restarts
@@ -44,6 +45,9 @@ def chaos_run(tiny_model, tmp_path, total: int, clients: int, kill_every: float)
     flags = (*FLAGS, "--max-waiting", "200")
     with start_runtime(tiny_model, tmp_path / "calm", *flags) as rt:
         calm = trio.run(soak, rt, total, clients)
+        # the kills are spaced by the executor's progress: as many steps as the calm run made
+        # in ``kill_every`` seconds (so a loaded machine stretches the schedule, not thins it)
+        every_steps = max(1, round(Steps.of(rt).count() * kill_every / calm["elapsed"]))
     kills: list[tuple[str, int]] = []
 
     with start_runtime(tiny_model, tmp_path / "chaos", *flags) as rt:
@@ -52,10 +56,12 @@ def chaos_run(tiny_model, tmp_path, total: int, clients: int, kill_every: float)
         # each actor in turn (in a random order each round), so a short soak meets all three
         order = [v for _ in range(KILLS_PER_ACTOR) for v in rng.sample(VICTIMS, len(VICTIMS))]
 
+        steps = Steps.of(rt)
+
         async def killer() -> None:
             count = collections.Counter[str]()
             for victim in order:
-                await trio.sleep(kill_every * rng.uniform(0.6, 1.4))
+                await steps.reach(steps.count() + round(every_steps * rng.uniform(0.6, 1.4)))
                 pid = rt.pid_of(victim)
                 try:
                     os.kill(pid, signal.SIGKILL)

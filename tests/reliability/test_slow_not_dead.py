@@ -72,7 +72,15 @@ async def test_an_actor_stopped_for_10s_fails_nothing(victim, tiny_model, tmp_pa
             stopped_at = time.monotonic()
             try:
                 await wait_until(lambda: _suspected_by_all(rt, victim), timeout=30)
-                await trio.sleep(max(0.0, 10.0 - (time.monotonic() - stopped_at)))  # the pause
+                # the rest of the 10 s pause, watching for the one thing that must not happen
+                left = max(0.0, 10.0 - (time.monotonic() - stopped_at))
+                died = None
+                with trio.move_on_after(left):
+                    died = await wait_until(
+                        lambda: [e for e in rt.events("peer.dead") if e["peer"] == victim],
+                        timeout=left + 1,
+                    )
+                assert not died, died
             finally:
                 os.kill(pid, signal.SIGCONT)
 

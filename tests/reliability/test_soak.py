@@ -51,6 +51,11 @@ async def soak(rt, total: int, clients: int, seed: int = 0, during=None) -> dict
     timings: dict[str, dict] = {}
     warm: dict[str, int] = {}
     warm_at = total // 5
+    ended = [trio.Event()]  # set (and replaced) each time one of the soak's requests ends
+
+    def one_ended() -> None:
+        ended[0].set()
+        ended[0] = trio.Event()
 
     async def client_loop(cid: int) -> None:
         nonlocal issued
@@ -85,13 +90,19 @@ async def soak(rt, total: int, clients: int, seed: int = 0, during=None) -> dict
                             timings[rid] = msgspec.structs.asdict(msg.timings)
                     if cancel and rid not in outcomes:
                         outcomes[rid] = "aborted"
+                    one_ended()
                 except RequestError as e:
                     # refused before it was accepted because an actor is down (the chaos soak):
                     # never queued, so not lost; the client retries later
                     refused = e.code == "actor_dead" and not accepted
                     outcomes[rid] = "refused" if refused else f"{e.code}"
-                    if e.code == "overloaded" or refused:
-                        await trio.sleep(0.25)  # back off, as a real client would
+                    if refused:  # back off until the runtime serves again (its Welcome says)
+                        await c.hello(ready_timeout=60)
+                    elif e.code == "overloaded":  # back off until a request of the soak ends
+                        with trio.move_on_after(5):
+                            await ended[0].wait()
+                    else:
+                        one_ended()
 
     t0 = time.monotonic()
     async with trio.open_nursery() as outer:

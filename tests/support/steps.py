@@ -6,10 +6,12 @@ loaded machine they lag far behind the executor (the tiny model ends a whole wor
 under a second). The watcher is a process of its own, not a thread of the test (behind the
 client's backlog and the GIL a thread read the log so late that the run had ended), and it runs
 at real-time priority where the machine allows it, so busy processes beside the runtime cannot
-delay its reads; it reports the longest pause between its reads with the step it acted at."""
+delay its reads; it reads the log each time the executor writes to it (inotify), and reports
+the step it acted at."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -17,36 +19,65 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from messages import executor as xm
 from tests.support.runtime import query, wait_until
 
 STEP = b'"event": "executor.step"'
 
 WATCH = """\
-import os, signal, sys, time
+import ctypes, os, signal, sys, time
 path, off, n, step, pid, sig = sys.argv[1], *map(int, sys.argv[2:])
 try:  # a sleeper at real-time priority: it costs nothing, and nothing busy can delay it
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     prio = "real-time"
 except (AttributeError, OSError):
     prio = "normal"
+libc = ctypes.CDLL(None, use_errno=True)
+changes = libc.inotify_init1(os.O_CLOEXEC)  # woken by each write to the log (IN_MODIFY)
+assert changes >= 0 and libc.inotify_add_watch(changes, path.encode(), 0x2) >= 0
 print("ready", flush=True)
-last = time.monotonic()
-gap = 0.0
-while n < step:
-    time.sleep(0.002)
-    now = time.monotonic()
-    gap, last = max(gap, now - last), now
+while True:
     with open(path, "rb") as f:
         f.seek(off)
         chunk = f.read()
     end = chunk.rfind(b"\\n") + 1
     n += chunk[:end].count(b'"event": "executor.step"')
     off += end
+    if n >= step:
+        break
+    os.read(changes, 4096)  # until the executor writes to its log again
 os.kill(pid, sig)
 print(f"signal {sig} sent at step {n} (target {step}), time {time.time():.3f}, "
-      f"{prio} priority, longest pause between reads {gap * 1e3:.0f} ms", flush=True)
+      f"{prio} priority, on the log's writes", flush=True)
 """
+
+
+IN_MODIFY = 0x2
+
+
+class LogWrites:
+    """Wakes a trio task on each write to a file (inotify ``IN_MODIFY``): an actor's event log,
+    which it appends to (a restarted actor appends to the same file)."""
+
+    def __init__(self, path: Path) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0 or libc.inotify_add_watch(self.fd, str(path).encode(), IN_MODIFY) < 0:
+            raise OSError(ctypes.get_errno(), f"cannot watch {path}")
+
+    async def wait(self) -> None:
+        """Until the file has been written to since the last wait."""
+        await trio.lowlevel.wait_readable(self.fd)
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class Steps:
@@ -66,6 +97,16 @@ class Steps:
         end = chunk.rfind(b"\n") + 1  # whole lines only
         self.n += chunk[:end].count(STEP)
         self.offset += end
+        return self.n
+
+    async def reach(self, n: int) -> int:
+        """Wait until the log shows ``n`` steps, woken by the executor's writes to it."""
+        writes = LogWrites(self.path)
+        try:
+            while self.count() < n:
+                await writes.wait()
+        finally:
+            writes.close()
         return self.n
 
     async def settled(self, rt: Any) -> int:
