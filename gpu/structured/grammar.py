@@ -181,16 +181,11 @@ class GrammarCache:
                 self._tokenizer = self._make_tokenizer()
             return self._tokenizer
 
-    def lookup(self, s: StructuredOutput) -> tuple[Constraint, Compiled | GrammarError | None]:
-        """The canonical constraint and its cached result (None: not compiled yet). Counts a
-        hit; raises GrammarError for a malformed constraint."""
-        c = constraint_of(s)
-        return c, self._get(c)
-
     def compile(self, s: StructuredOutput) -> tuple[Compiled, bool]:
-        """``(compiled, cache_hit)``; raises GrammarError naming the field."""
-        c, found = self.lookup(s)
-        return self._result(c, found, lambda: self._compile(c))
+        """``(compiled, cache_hit)``; raises GrammarError naming the field (a malformed
+        constraint, or one the engine cannot compile)."""
+        c = constraint_of(s)
+        return self._result(c, self._get(c), lambda: self._compile(c))
 
     def built(self, kind: str, grammar: str) -> Compiled | GrammarError | None:
         """``build``'s cached answer, if any (counts a hit)."""
