@@ -25,6 +25,35 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A Qwen-style template that shows tools and reasoning (written here, for tests): tools listed
+# in the system turn, calls as <tool_call> blocks, tool answers as <tool_response> in a user
+# turn, an assistant's reasoning in <think>; ``enable_thinking=False`` closes an empty one.
+TOOLS_CHAT_TEMPLATE = (
+    "{% set sys = messages[0].content if messages and messages[0].role == 'system' else '' %}"
+    "{% if tools %}<|im_start|>system\n{% if sys %}{{ sys }}\n\n{% endif %}"
+    "You may call one or more functions. Their signatures:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    'To call one, write <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call>'
+    "<|im_end|>\n"
+    "{% elif sys %}<|im_start|>system\n{{ sys }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+TEMPLATES = {"chatml": CHAT_TEMPLATE, "tools": TOOLS_CHAT_TEMPLATE}
+
 _WORDS = (
     "the a an of to in and is was for on with as by at from that this it be are or not "
     "model token cache block prefix request queue batch step decode prefill schedule actor "
@@ -86,7 +115,7 @@ def _sizes(size: str) -> dict[str, Any]:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
 
 
-def build_tokenizer(out: Path, vocab_size: int, seed: int = 0):
+def build_tokenizer(out: Path, vocab_size: int, seed: int = 0, template: str = "chatml"):
     """Train a byte-level BPE tokenizer in-process and save it (HF fast-tokenizer layout)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -107,7 +136,7 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int = 0):
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TEMPLATES[template]
     fast.save_pretrained(str(out))
     return fast
 
@@ -119,12 +148,14 @@ def make_model(
     seed: int = 0,
     dtype: str = "float32",
     config_overrides: dict[str, Any] | None = None,
+    template: str = "chatml",
 ) -> Path:
     """Write a random-weight ``arch`` model of ``size`` plus tokenizer into ``out``; return the path.
 
     ``config_overrides``: config keyword arguments applied last, over the size's and the
     architecture's defaults (e.g. ``{"rope_parameters": {...}}``, ``{"attention_bias": True}``);
-    the tests build the model variants with them."""
+    the tests build the model variants with them. ``template``: the chat template, ``chatml``
+    or ``tools`` (``TOOLS_CHAT_TEMPLATE``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -135,7 +166,9 @@ def make_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dims = _sizes(size)
-    tokenizer = build_tokenizer(out, vocab_size=min(dims["vocab_size"], 4096), seed=seed)
+    tokenizer = build_tokenizer(
+        out, vocab_size=min(dims["vocab_size"], 4096), seed=seed, template=template
+    )
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     extra: dict[str, Any] = dict(

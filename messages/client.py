@@ -29,10 +29,16 @@ class Welcome(Msg, tag="welcome"):
 
 
 class Accepted(Msg, tag="accepted"):
-    """The request passed validation and was queued; ``prompt_tokens`` is its tokenized length."""
+    """The request passed validation and was queued; ``prompt_tokens`` is its tokenized length.
+    How to read its output (chat): ``tool_parser`` names the tool-call format to parse ("": no
+    tools asked for), ``reasoning_parser`` the reasoning format ("": none), ``thinking``: the
+    prompt ended inside a reasoning block (the output starts in it)."""
 
     request_id: str
     prompt_tokens: int
+    tool_parser: str = ""
+    reasoning_parser: str = ""
+    thinking: bool = False
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

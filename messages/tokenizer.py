@@ -8,6 +8,8 @@ the actors and in their events. Messages to a client carry the client's own id.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from messages.common import Hello, Msg, Ping, Reconcile, SamplingParams
@@ -26,9 +28,29 @@ def client_request_id(request_id: str) -> str:
     return head if sep else request_id
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    role: str  # system | user | assistant | tool
     content: str
+    tool_calls: list[ToolCall] = []  # an assistant's calls
+    tool_call_id: str = ""  # a tool's answer: the call it answers
+    reasoning: str = ""  # an assistant's earlier reasoning
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A function the model may call: rendered by the chat template; its ``parameters`` (a JSON
+    Schema) constrain the arguments when a call is required."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
 
 
 class Generate(Msg, tag="generate"):
@@ -54,6 +76,14 @@ class Generate(Msg, tag="generate"):
     # The client takes a step's messages for this connection batched into one ``Batch`` frame
     # (the trio client does: one frame per step instead of one per token per stream).
     batch: bool = False
+    # Tool calling (chat): the functions the template shows the model; ``tool_choice``: none |
+    # auto (it may call) | required (it must: a grammar from the tools' schemas) | the name of
+    # the one tool it must call. ``parallel_tool_calls``: more than one call allowed.
+    tools: list[Tool] = []
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    # Extra variables for the chat template (e.g. ``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class Cancel(Msg, tag="cancel"):

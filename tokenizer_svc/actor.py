@@ -34,7 +34,7 @@ from messages.tokenizer import (
 )
 from tokenizer_svc.clients import ClientEndpoint
 from tokenizer_svc.core import FrontDoorCore
-from tokenizer_svc.requests import Invalid, Prompts, check_request
+from tokenizer_svc.requests import Invalid, Parsers, Prompts, check_request
 from tokenizer_svc.resume import Resume, check_resume_ids
 from tokenizer_svc.streams import Stream
 
@@ -66,6 +66,7 @@ class TokenizerService(Actor):
         self.core = FrontDoorCore(self.clients, self.log, self.eos_ids)
         self.live = self.core.live  # by runtime-wide id
         self.prompts = Prompts()
+        self.parsers = Parsers(cfg.tool_call_parser, cfg.reasoning_parser)
 
     def open(self) -> None:
         super().open()
@@ -182,6 +183,7 @@ class TokenizerService(Actor):
             client_request_id=rid,
             client=self.clients.label(ident),
             kind=kind,
+            **({"tools": len(msg.tools), "tool_choice": msg.tool_choice} if msg.tools else {}),
         )
         try:
             self._admit(ident, internal, rid, msg)
@@ -195,7 +197,7 @@ class TokenizerService(Actor):
         refuse naming the field."""
         try:
             checked = check_request(
-                msg, self.tokenizer, self.vocab_size, self.max_model_len, self.prompts
+                msg, self.tokenizer, self.vocab_size, self.max_model_len, self.prompts, self.parsers
             )
         except Invalid as e:
             self.log.info(
@@ -223,6 +225,7 @@ class TokenizerService(Actor):
             want_logprobs=params.logprobs is not None,
             min_tokens=params.min_tokens,
         )
+        stream.reading = checked.reading
         resume = Resume(ids, params, time.time(), grammar=checked.grammar)
         # a peer died and is being restarted: the request waits, as a resumed one does, and is
         # submitted once the runtime serves (or fails after the resume window, resume.py)

@@ -78,8 +78,16 @@ class FrontDoorCore:
         request does, until the runtime serves). ``resume_ids``: the client resumes a stream
         its connection's predecessor lost (the tokens it already received)."""
         live = self.live[internal] = Live(ident, internal, stream, resume)
+        r = stream.reading
         self.clients.send(
-            ident, cm.Accepted(request_id=stream.request_id, prompt_tokens=stream.prompt_tokens)
+            ident,
+            cm.Accepted(
+                request_id=stream.request_id,
+                prompt_tokens=stream.prompt_tokens,
+                tool_parser=r.tool_parser,
+                reasoning_parser=r.reasoning_parser,
+                thinking=r.thinking,
+            ),
         )
         if resume_ids:
             stream.prime(resume_ids)

@@ -8,7 +8,7 @@ included) and its constraint compiled once; the scheduler and the executor trust
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -16,6 +16,19 @@ import msgspec
 from gpu.structured.grammar import GrammarCache, GrammarError, hf_llg_tokenizer
 from messages.common import ErrorCode, SamplingParams, StructuredOutput, validate_params
 from messages.tokenizer import Generate
+from tokenizer_svc.agent.tools import (
+    RESERVED_KWARGS,
+    Reading,
+    ToolError,
+    check_messages,
+    check_tools,
+    ends_thinking,
+    reasoning_parser_for,
+    render,
+    template_of,
+    tool_parser_for,
+    tools_grammar,
+)
 
 MAX_STOP_STRINGS = 16
 
@@ -59,11 +72,21 @@ def check_structured(s: StructuredOutput, tokenizer: Any, vocab_size: int) -> st
 @dataclass
 class Checked:
     """A request that passed: its prompt's ids, its params (``max_tokens`` resolved where the
-    client left it to the context) and its constraint compiled (``""``: none)."""
+    client left it to the context), its constraint compiled (``""``: none) and how its output
+    is read (tool calls, reasoning)."""
 
     ids: list[int]
     params: SamplingParams
     grammar: str = ""
+    reading: Reading = field(default_factory=Reading)
+
+
+@dataclass(frozen=True)
+class Parsers:
+    """The configured output formats (``--tool-call-parser``, ``--reasoning-parser``)."""
+
+    tools: str = "auto"
+    reasoning: str = "auto"
 
 
 class Prompts:
@@ -88,7 +111,12 @@ class Prompts:
 
 
 def check_request(
-    msg: Generate, tokenizer: Any, vocab_size: int, max_model_len: int, prompts: Prompts
+    msg: Generate,
+    tokenizer: Any,
+    vocab_size: int,
+    max_model_len: int,
+    prompts: Prompts,
+    parsers: Parsers = Parsers(),
 ) -> Checked:
     """The request checked, tokenized and its constraint compiled, or raises ``Invalid``
     naming the field and why."""
@@ -99,6 +127,10 @@ def check_request(
             "prompt",
             f"exactly one of prompt, messages, prompt_ids must be set (got {given or 'none'})",
         )
+    try:
+        msg, reading = _agent(msg, tokenizer, parsers)
+    except ToolError as e:
+        raise Invalid(ErrorCode.INVALID, e.field, e.reason) from None
     params = msg.params
     if msg.fill_context:  # checked with the most it could be; resolved once the prompt is known
         params = msgspec.structs.replace(params, max_tokens=max_model_len)
@@ -107,7 +139,12 @@ def check_request(
         raise Invalid(ErrorCode.INVALID, f"params.{bad[0]}", bad[1])
     grammar = ""
     if params.structured is not None:
-        grammar = check_structured(params.structured, tokenizer, vocab_size)
+        try:
+            grammar = check_structured(params.structured, tokenizer, vocab_size)
+        except Invalid as e:
+            if reading.tool_parser and msg.tool_choice != "auto":  # the tools' grammar
+                raise Invalid(e.code, "tools", e.reason) from None
+            raise
     if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):
         raise Invalid(
             ErrorCode.INVALID, "stop", f"at most {MAX_STOP_STRINGS} non-empty stop strings"
@@ -123,7 +160,40 @@ def check_request(
                 f"{params.min_tokens} is more than the {room} tokens the context leaves",
             )
         params = msgspec.structs.replace(params, max_tokens=room)
-    return Checked(ids, params, grammar)
+    if reading.tool_parser or reading.reasoning_parser:
+        text = tokenizer.decode(ids[-8:]) if reading.reasoning_parser else ""
+        reading = Reading(reading.tool_parser, reading.reasoning_parser, ends_thinking(text))
+    return Checked(ids, params, grammar, reading)
+
+
+def _agent(msg: Generate, tokenizer: Any, parsers: Parsers) -> tuple[Generate, Reading]:
+    """Tools and reasoning checked; with a required call, its grammar as the constraint.
+    Returns the request (constrained where a call is required) and how to read its output."""
+    if msg.messages is None:
+        if msg.tools or msg.tool_choice not in ("auto", "none") or msg.chat_template_kwargs:
+            raise ToolError("tools", "tools and chat_template_kwargs need chat messages")
+        return msg, Reading()
+    bad = sorted(RESERVED_KWARGS.intersection(msg.chat_template_kwargs))
+    if bad:
+        raise ToolError("chat_template_kwargs", f"{bad[0]!r} is set by the server")
+    check_tools(msg)
+    check_messages(msg.messages)
+    template = template_of(tokenizer)
+    reasoning = reasoning_parser_for(template, parsers.reasoning)
+    if not msg.tools or msg.tool_choice == "none":
+        return msg, Reading("", reasoning)
+    parser = tool_parser_for(template, parsers.tools)
+    lark = tools_grammar(msg, parser)
+    if lark is not None:
+        if msg.params.structured is not None:
+            raise ToolError(
+                "tool_choice", f"{msg.tool_choice!r} cannot be combined with a response format"
+            )
+        constraint = StructuredOutput(grammar=lark)
+        msg = msgspec.structs.replace(
+            msg, params=msgspec.structs.replace(msg.params, structured=constraint)
+        )
+    return msg, Reading(parser, reasoning)
 
 
 def _prompt_ids(msg: Generate, tokenizer: Any, vocab_size: int, prompts: Prompts) -> list[int]:
@@ -135,11 +205,7 @@ def _prompt_ids(msg: Generate, tokenizer: Any, vocab_size: int, prompts: Prompts
         if not msg.messages:
             raise Invalid(ErrorCode.INVALID, "messages", "must not be empty")
         try:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in msg.messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
+            text = render(tokenizer, msg)
         except Exception as e:
             raise Invalid(ErrorCode.INVALID, "messages", f"chat template failed: {e}") from None
         ids = prompts.ids(tokenizer, text, False)

@@ -20,6 +20,7 @@ from typing import Any
 from messages import client as cm
 from messages.scheduler import Completed
 from messages.tokenizer import TokenEvent
+from tokenizer_svc.agent.tools import Reading
 from tokenizer_svc.detok import IncrementalDetokenizer
 from tokenizer_svc.stops import StopMatcher
 
@@ -62,6 +63,7 @@ class Stream:
         self.queue_s = 0.0
         self.attempts = 0
         self.token_ids: list[int] = []  # every token streamed (what a resume continues after)
+        self.reading = Reading()  # how the client reads the output (tools, reasoning)
 
     def prime(self, token_ids: list[int]) -> None:
         """A resumed request: the client already received ``token_ids`` (and their text) from

@@ -23,7 +23,7 @@ from messages.common import (
     Pong,
     SamplingParams,
 )
-from messages.tokenizer import ChatMessage, Generate
+from messages.tokenizer import ChatMessage, Generate, Tool
 
 READY_TIMEOUT_S = 60.0  # how long a handshake waits for a runtime that does not serve yet
 READY_POLL_S = 0.1
@@ -101,16 +101,27 @@ class Result:
 def build_generate(
     prompt: str | None = None,
     *,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     prompt_ids: list[int] | None = None,
     stop: list[str] | None = None,
     request_id: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str = "auto",
+    parallel_tool_calls: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
     **params: Any,
 ) -> Generate:
-    """A ``Generate`` message; ``params`` are ``SamplingParams`` fields (max_tokens, temperature...)."""
+    """A ``Generate`` message; ``params`` are ``SamplingParams`` fields (max_tokens, temperature...);
+    ``tools`` are ``Tool`` maps (``name``, ``description``, ``parameters``)."""
     return Generate(
+        tools=[msgspec.convert(t, Tool) for t in tools or []],
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        chat_template_kwargs=chat_template_kwargs or {},
         prompt=prompt,
-        messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+        messages=[msgspec.convert(m, ChatMessage) for m in messages]
+        if messages is not None
+        else None,
         prompt_ids=prompt_ids,
         params=SamplingParams(**params),
         request_id=request_id or uuid.uuid4().hex,

@@ -196,6 +196,16 @@ class HttpConfig:
             flag="http-body-timeout-s",
         ),
     )
+    responses_max_count: int = field(
+        default=1000,
+        metadata=doc(
+            "stored /v1/responses kept at most (in the run directory; the oldest dropped first)"
+        ),
+    )
+    responses_max_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata=doc("bytes of stored /v1/responses kept at most (the oldest dropped first)"),
+    )
     max_connections: int = field(
         default=1024,
         metadata=doc(
@@ -227,6 +237,20 @@ class RuntimeConfig:
         default="",
         metadata=doc(
             "this instance's name among replicas: every event carries it (set by --replicas)"
+        ),
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = field(
+        default="auto",
+        metadata=doc(
+            "how tool calls are written in the model's output (vLLM's names); auto: chosen "
+            "from the chat template (hermes when it shows none)"
+        ),
+    )
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = field(
+        default="auto",
+        metadata=doc(
+            "how reasoning is marked in the output (<think>...</think>); auto: qwen3 when the "
+            "chat template knows <think>, else none"
         ),
     )
     endpoints: Endpoints = field(default_factory=Endpoints)

@@ -218,6 +218,7 @@ def test_out_of_range_values_name_the_field(rt, kwargs, field):
         ({"prompt_ids": "1,2,3"}, "prompt_ids"),
         ({"params": {"max_tokens": "many"}}, "params.max_tokens"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"tools": [{"name": "f", "bogus": 1}]}, "tools[0].bogus"),
     ],
 )
 def test_a_generate_that_fails_decoding_names_the_field_and_its_request(rt, fields, field):
@@ -225,6 +226,84 @@ def test_a_generate_that_fails_decoding_names_the_field_and_its_request(rt, fiel
     frame = msgpack.packb({"t": "generate", "request_id": "req-7", **fields})
     reply = Decoder(ErrorReply).decode(_ask(rt.endpoint, frame))
     assert (reply.code, reply.field, reply.request_id) == ("bad_frame", field, "req-7"), reply
+
+
+_HI = [{"role": "user", "content": "hi"}]
+_F = {
+    "name": "f",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"tools": [{"name": "f", "parameters": {"type": 5}}]}, "tools[0].parameters"),
+        ({"tools": [{"name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
+        ({"tools": [_F, _F]}, "tools[1].name"),
+        ({"tools": [_F], "tool_choice": "g"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        (
+            {"messages": [*_HI, {"role": "tool", "content": "x", "tool_call_id": "c9"}]},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {
+                "messages": [
+                    *_HI,
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"id": "c", "name": "f", "arguments": "{oops"}],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].arguments",
+        ),
+        ({"prompt": "hi", "messages": None, "tools": [_F]}, "tools"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(rt, fields, field):
+    """Tools are checked at the front door, for ZeroMQ clients as for HTTP."""
+    body = {"t": "generate", "request_id": "t-1", "messages": _HI, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    reply = Decoder(ErrorReply).decode(_ask(rt.endpoint, msgpack.packb(body)))
+    assert (reply.code, reply.field, reply.request_id) == ("invalid", field, "t-1"), reply
+
+
+def test_a_required_tool_call_over_zeromq(rt):
+    """A ZeroMQ client gets the model's text; a required call in it is one the parser the
+    front door names reads back, valid against the tool's schema."""
+    import json
+
+    import jsonschema
+
+    from tokenizer_svc.agent.parse import OutputParser
+
+    async def go():
+        async with open_client(rt.endpoint) as c:
+            return await c.generate(
+                messages=_HI,
+                tools=[_F],
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=60,
+                temperature=1.0,
+                seed=1,
+            )
+
+    out = trio.run(go)
+    p = OutputParser("hermes")
+    p.feed(out.text)
+    [call] = p.parsed(final=True).calls
+    assert call.name == "f" and out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(call.arguments), _F["parameters"])
 
 
 def test_invalid_utf8_and_wrong_types_are_bad_frames(rt):

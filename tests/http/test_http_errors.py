@@ -91,7 +91,7 @@ BAD = [
         "response_format.json_schema.schema",
         None,
     ),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools", None),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools[0].function", None),
 ]
 
 

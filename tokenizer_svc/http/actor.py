@@ -67,6 +67,8 @@ class HttpActor(Actor):
             runtime_metrics=self.runtime_metrics,
             run_dir=self.cfg.run_dir,
             body_timeout_s=self.settings.body_timeout_s,
+            responses_max_count=self.settings.responses_max_count,
+            responses_max_bytes=self.settings.responses_max_bytes,
         )
         nursery.start_soon(self.upstream.run)
         app = cast(Any, build_app(server))

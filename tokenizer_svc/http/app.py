@@ -1,6 +1,7 @@
 """The Starlette app: routes of the OpenAI-compatible API and the service endpoints.
 
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and ``GET`` /
+``DELETE /v1/responses/{id}``: ``responses``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``. Bodies are validated
 by the pydantic models of ``schemas``; every refusal is an ``ApiError`` in OpenAI's shape.
 """
@@ -12,6 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
@@ -31,6 +33,8 @@ from tokenizer_svc.http.gate import Gate
 from tokenizer_svc.http.metrics import HttpMetrics
 from tokenizer_svc.http.model import ModelInfo
 from tokenizer_svc.http.respond import JSON, PlanResponse, error_response
+from tokenizer_svc.http.response_store import ResponseStore
+from tokenizer_svc.http.responses import responses_routes
 from tokenizer_svc.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,6 +65,8 @@ class Server:
     active: set[str] = field(default_factory=set)
     run_dir: str = ""  # the event log the dashboard shows (none: no dashboard)
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
+    responses_max_count: int = 1000  # stored /v1/responses (under run_dir/responses) kept
+    responses_max_bytes: int = 64 * 1024 * 1024
 
 
 async def _body(request: Request, model: type[B], timeout_s: float) -> B:
@@ -255,6 +261,15 @@ def build_app(server: Server) -> Gate:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    store = None
+    if server.run_dir:
+        store = ResponseStore(
+            Path(server.run_dir) / "responses",
+            server.responses_max_count,
+            server.responses_max_bytes,
+            server.log,
+        )
+    routes += responses_routes(server, store, _body, _unique_id)
     own_auth: tuple[str, ...] = ()
     if server.run_dir:
         try:

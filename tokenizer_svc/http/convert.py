@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from messages.common import SamplingParams
-from messages.tokenizer import ChatMessage, Generate
+from messages.tokenizer import ChatMessage, Generate, Tool, ToolCall
 from tokenizer_svc.http.errors import invalid
 from tokenizer_svc.http.model import ModelInfo
 from tokenizer_svc.http.schemas import (
@@ -54,7 +54,8 @@ class Plan:
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    """Messages with plain-string content: text parts joined by newlines."""
+    """Messages with plain-string content (text parts joined by newlines), an assistant's
+    calls and reasoning, a tool's answer and the call it answers."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -80,7 +81,39 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
                     )
                 parts.append(part.text)
             text = "\n".join(parts)
-        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=text))
+        calls = [
+            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in m.tool_calls or []
+        ]
+        out.append(
+            ChatMessage(
+                role="system" if m.role == "developer" else m.role,
+                content=text,
+                tool_calls=calls,
+                tool_call_id=m.tool_call_id or "",
+                reasoning=m.reasoning_content or "",
+            )
+        )
+    return out
+
+
+def tools_of(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's tools as ``Generate`` fields (the front door checks them)."""
+    tools = [
+        Tool(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters=t.function.parameters or {},
+        )
+        for t in req.tools or []
+    ]
+    asked = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    choice = asked if isinstance(asked, str) else asked.function.name
+    out: dict[str, Any] = {"tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls}
+    if tools:
+        out["tools"] = tools
+    if req.chat_template_kwargs:
+        out["chat_template_kwargs"] = req.chat_template_kwargs
     return out
 
 
@@ -200,16 +233,14 @@ def plan_completion(req: CompletionRequest, model: ModelInfo, rid: str) -> Plan:
 
 def plan_chat(req: ChatCompletionRequest, model: ModelInfo, rid: str) -> Plan:
     _check_common(req, model)
-    if req.tools:
-        raise invalid("tools", "tools: tool calling is not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs", "top_logprobs: requires logprobs to be true")
-    prompt: Prompt = {"messages": chat_messages(req.messages)}
+    prompt: Prompt = {"messages": chat_messages(req.messages), **tools_of(req)}
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if asked is None:  # what the context leaves after the prompt, resolved by the front door
         prompt["fill_context"] = True
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    spelling = Spelling()
+    spelling = Spelling(renames=[(r"^tools\[(\d+)\]\.", r"tools[\1].function.")])
     kw = _params(req, asked or 1, logprobs, spelling)
     opts = req.stream_options
     return Plan(

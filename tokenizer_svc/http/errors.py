@@ -102,6 +102,7 @@ def from_upstream(
     message: str,
     prompt_param: str,
     structured: Callable[[str], str] | None = None,
+    rename: Callable[[str], str] | None = None,
 ) -> ApiError:
     """A refusal from the front door (``actors.client.RequestError``) in OpenAI's shape, its
     field named as the client spelled it: the prompt as ``prompt_param`` (``prompt[1]``,
@@ -122,6 +123,8 @@ def from_upstream(
         param = _HTTP_NAMES.get(name, name.removeprefix("params."))
     if param in ("prompt", "prompt_ids", "messages"):
         param = prompt_param
+    elif rename is not None and param:
+        param = rename(param)
     return invalid(param or None, f"{param}: {reason}" if param else reason)
 
 

@@ -76,6 +76,14 @@ class PlanResponse:
         self.info["prompt_tokens"] = ch.prompt_tokens()
         self.info["completion_tokens"] = sum(c.tokens for c in ch.by_index.values())
         self.info["finish_reasons"] = [c.finish_reason for c in ch.by_index.values()]
+        read = [c for c in ch.by_index.values() if c.parser is not None]
+        if read:  # how the output was read: the parsers, the calls found, the tools' grammar
+            first = read[0].parser
+            assert first is not None
+            gen = self.plan.choices[0].generate
+            self.info["parsers"] = {"tools": first.tools, "reasoning": first.reasoning}
+            self.info["tool_calls"] = [len(c.parsed(final=True).calls) for c in read]
+            self.info["tool_grammar"] = bool(gen.tools) and gen.tool_choice not in ("auto", "none")
         firsts = [c.first_token_t for c in ch.by_index.values() if c.first_token_t]
         if firsts and "t0" in self.info:
             self.info["ttft_s"] = round(min(firsts) - self.info["t0"], 6)

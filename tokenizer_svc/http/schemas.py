@@ -9,7 +9,7 @@ that depends on the model, a combination of fields) is checked in ``convert``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,6 +17,7 @@ from tokenizer_svc.http.structured import JsonSchemaFormat, StructuredOutputsIn
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MAX_TOOLS = 128
 
 
 class _Body(BaseModel):
@@ -73,10 +74,48 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's field)
+
+
+class FunctionIn(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema (none: no arguments)
+    strict: bool | None = None
+
+
+class ToolIn(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionIn
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_Sampling):
@@ -84,7 +123,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, object]] | None = None
+    tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(_Body):

@@ -6,11 +6,13 @@ that state into ``text_completion`` / ``chat.completion`` bodies and their strea
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from messages import client as cm
+from tokenizer_svc.agent.parse import Call, OutputParser, Parsed
 from tokenizer_svc.http.convert import Plan
 from tokenizer_svc.http.model import NEG_INF_LOGPROB, ModelInfo
 
@@ -33,6 +35,12 @@ class Choice:
     timings: cm.Timings | None = None
     first_token_t: float = 0.0
     prompt_tokens: int | None = None  # the front door's count (``Accepted``)
+    parser: OutputParser | None = None  # chat with tools or reasoning: how to read the text
+
+    def parsed(self, final: bool) -> Parsed:
+        if self.parser is None:
+            return Parsed(content="".join(self.text))
+        return self.parser.parsed(final)
 
 
 class Choices:
@@ -46,9 +54,13 @@ class Choices:
         ch = self.by_index[index]
         if isinstance(msg, cm.Accepted):
             ch.prompt_tokens = msg.prompt_tokens
+            if msg.tool_parser or msg.reasoning_parser:
+                ch.parser = OutputParser(msg.tool_parser, msg.reasoning_parser, msg.thinking)
             return "", []
         if isinstance(msg, cm.Delta):
             ch.text.append(msg.text)
+            if ch.parser is not None:
+                ch.parser.feed(msg.text)
             ch.tokens += len(msg.token_ids)
             if not ch.first_token_t and msg.token_ids:
                 ch.first_token_t = now
@@ -160,15 +172,46 @@ def completion_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) ->
     }
 
 
+def call_id(rid: str, index: int) -> str:
+    """The id of a choice's ``index``-th tool call (the same streamed or not)."""
+    return f"call_{hashlib.sha256(rid.encode()).hexdigest()[:20]}{index}"
+
+
+def tool_call(rid: str, index: int, call: Call) -> dict[str, Any]:
+    return {
+        "id": call_id(rid, index),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def finish_of(c: Choice, parsed: Parsed) -> str | None:
+    """``tool_calls`` for an answer that ends in calls (OpenAI's reason), else the front
+    door's."""
+    return "tool_calls" if parsed.calls and c.finish_reason == "stop" else c.finish_reason
+
+
+def chat_message(c: Choice, cid: str) -> dict[str, Any]:
+    p = c.parsed(final=True)
+    message: dict[str, Any] = {"role": "assistant", "content": p.content}
+    if c.parser is not None and c.parser.reasoning:
+        message["reasoning_content"] = p.reasoning or None
+    if p.calls:
+        message["content"] = p.content or None
+        message["tool_calls"] = [tool_call(cid, i, call) for i, call in enumerate(p.calls)]
+    return message
+
+
 def chat_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[str, Any]:
     out = []
     for c in sorted(choices.by_index.values(), key=lambda c: c.index):
+        cid = plan.choices[c.index].generate.request_id
         out.append(
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": chat_message(c, cid),
                 "logprobs": chat_logprobs(model, c.logprobs) if plan.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_of(c, c.parsed(final=True)),
             }
         )
     return {

@@ -3,6 +3,7 @@ chunks of one streamed request, built from the front door's messages as they arr
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,10 +11,18 @@ import msgspec
 import trio
 
 from messages import client as cm
+from tokenizer_svc.agent.parse import Diff
 from tokenizer_svc.http.convert import Plan
 from tokenizer_svc.http.errors import ApiError
 from tokenizer_svc.http.model import ModelInfo
-from tokenizer_svc.http.shapes import Choices, chunk, stream_choice
+from tokenizer_svc.http.shapes import (
+    Choices,
+    call_id,
+    chat_logprobs,
+    chunk,
+    finish_of,
+    stream_choice,
+)
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -35,6 +44,7 @@ class StreamWriter:
         self.chars: dict[int, int] = {}  # characters sent per choice (completions text_offset)
         self.completed = False
         self.error: ApiError | None = None
+        self.diffs: dict[int, Diff] = defaultdict(Diff)  # per choice: what its stream sent
 
     def _chunk(self, index: int, choice: dict[str, Any]) -> bytes:
         usage = self.choices.choice_usage(index) if self.plan.continuous_usage else None
@@ -65,6 +75,8 @@ class StreamWriter:
         out = [] if index in self.started else self._start(index)
         text, entries = self.choices.feed(index, msg, now)
         plan = self.plan
+        if self.choices.by_index[index].parser is not None:
+            return out + self._parsed(index, msg, entries)
         if isinstance(msg, cm.Delta):
             if not text and not entries and not msg.token_ids:
                 return out
@@ -83,12 +95,53 @@ class StreamWriter:
         out.append(self._chunk(index, stream_choice(plan, self.model, index, none, [], finish)))
         return out
 
+    def _parsed(self, index: int, msg: Any, entries: list) -> list[bytes]:
+        """A chat choice read by its parser: reasoning, content and tool calls, each as it
+        becomes certain (a tag or a call's JSON is never sent half-read)."""
+        ch = self.choices.by_index[index]
+        final = isinstance(msg, cm.Final)
+        parsed = ch.parsed(final)
+        deltas = [_delta(ev, self._cid(index)) for ev in self.diffs[index].step(parsed)]
+        if entries and not deltas:
+            deltas = [{}]
+        out = []
+        for i, delta in enumerate(deltas):
+            lps = chat_logprobs(self.model, entries) if entries and i == 0 else None
+            if self.plan.logprobs is None:
+                lps = None
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": None}
+            out.append(self._chunk(index, choice))
+        if final:
+            finish = finish_of(ch, parsed)
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+            out.append(self._chunk(index, choice))
+        return out
+
+    def _cid(self, index: int) -> str:
+        return self.plan.choices[index].generate.request_id
+
     def end(self) -> list[bytes]:
         out = []
         if self.plan.include_usage and self.error is None:
             out.append(frame(chunk(self.plan, self.model, self.rid, None, self.choices.usage())))
         out.append(DONE)
         return out
+
+
+def _delta(ev: tuple, cid: str) -> dict[str, Any]:
+    kind = ev[0]
+    if kind == "content":
+        return {"content": ev[1]}
+    if kind == "reasoning":
+        return {"reasoning_content": ev[1]}
+    if kind == "call":  # id, type and name first, the arguments in the chunks after
+        call = {"name": ev[2], "arguments": ""}
+        return {
+            "tool_calls": [
+                {"index": ev[1], "id": call_id(cid, ev[1]), "type": "function", "function": call}
+            ]
+        }
+    return {"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}
 
 
 async def body(

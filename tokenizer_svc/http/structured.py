@@ -16,6 +16,7 @@ JSON answers are compact (no whitespace between tokens), as with vLLM's
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,14 @@ class Spelling:
 
     fields: dict[str, str] = field(default_factory=dict)
     whole: str = "response_format"
+    # other front-door fields as the client spelled them: (regex, replacement), applied in turn
+    renames: list[tuple[str, str]] = field(default_factory=list)
+
+    def rename(self, front_door_field: str) -> str:
+        out = front_door_field
+        for pattern, repl in self.renames:
+            out = re.sub(pattern, repl, out)
+        return out
 
     def param(self, front_door_field: str) -> str:
         sub = front_door_field.removeprefix("params.structured").lstrip(".")

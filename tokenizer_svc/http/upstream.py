@@ -136,5 +136,6 @@ async def _one(
             async for msg in stream:
                 await send.send((c.index, msg))
     except RequestError as e:
-        refusal = from_upstream(e.code, e.field, e.message, c.prompt_param, plan.spelling.param)
+        s = plan.spelling
+        refusal = from_upstream(e.code, e.field, e.message, c.prompt_param, s.param, s.rename)
         await send.send((c.index, refusal))
