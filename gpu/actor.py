@@ -74,6 +74,8 @@ class ExecutorActor(Actor):
             kernel_isa=kernel_isa() if self.ex.device.type == "cpu" else None,
             **dataclasses.asdict(self.ex.budget),
             burst_wait_ms=cfg.executor.burst_wait_ms,
+            speculative=dataclasses.asdict(spec) if (spec := self.ex.speculative) else None,
+            spec_rows=self.ex.spec_rows if spec else None,
         )
 
     @property

@@ -35,6 +35,7 @@ from gpu.publish import step_messages
 from gpu.recovery import Flight, Recovery
 from gpu.request_table import RequestTable
 from gpu.requests import ExecutorInputError, StepResult
+from gpu.spec.verify import spec_fields
 from gpu.step_plan import burst_end
 from gpu.structured.builds import GrammarBuilt, MatcherBuilds
 from gpu.structured.grammar import Compiled, GrammarCache, GrammarError
@@ -270,4 +271,5 @@ class ExecutorCore:
             control_s=round(control_s, 6),
             decode_ctx=result.decode_ctx,
             prefill_ctx=result.prefill_ctx,
+            **spec_fields(result.spec),
         )

@@ -3,7 +3,9 @@
 It never allocates KV blocks: callers hand it block tables (plain ints) with each request and
 grow them with :meth:`Executor.extend`. Each :meth:`Executor.step` schedules decodes first (one
 token each, FCFS), then prefill chunks FCFS within the token budget, runs one forward over the
-flat batch, samples, and drops finished requests (the caller frees their blocks).
+flat batch, samples, and drops finished requests (the caller frees their blocks). With
+speculative decoding on (``gpu/spec/``), a decode may also verify drafts in the same forward and
+emit several tokens in one step.
 
 Over 300 lines: ``step`` is one algorithm over one flat batch (plan, inputs, forward, masks,
 sampling, ends) whose parts share its rows; the request table, plans, sampling, masks and
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu import loader
+from gpu import loader, step_batch
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, loaded_pool
 from gpu.logits_processors import LogitsProcessors
@@ -35,6 +37,11 @@ from gpu.requests import (
     check_invariants,
 )
 from gpu.sampling import row_logprobs, sample_rows
+from gpu.spec import config as spec_config
+from gpu.spec import cost as spec_cost
+from gpu.spec.ngram import NgramTokens
+from gpu.spec.plan import SpecPlan, plan_drafts
+from gpu.spec.verify import SpecStats, accepted
 from gpu.step_plan import StepBudget
 from gpu.structured.engine import StructuredEngine
 from gpu.structured.grammar import Compiled
@@ -56,7 +63,9 @@ class Executor:
     ``gpu.kv_cache.pool_blocks`` (a fraction of the memory left after the weights, at most what
     ``max_batch_size`` requests of the model's context can use). ``max_model_len`` (default: the
     model's context, capped by the pool's tokens) bounds prompt plus output. ``threads`` sets
-    torch's intra-op thread count (process-wide).
+    torch's intra-op thread count (process-wide). ``speculative``: ``--speculative-config``
+    (``gpu/spec/config.py``; its text, dict or parsed form; empty or None: off); with it,
+    ``spec_rows`` caps a speculating step's rows (default: measured, ``gpu/spec/cost.py``).
     Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
     """
 
@@ -78,9 +87,12 @@ class Executor:
         threads: int | None = None,
         max_model_len: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        speculative: str | dict | spec_config.SpecConfig | None = None,
+        spec_rows: int | None = None,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
+        self.speculative = spec_config.parse(speculative)  # refused (ValueError) before loading
         self.budget = StepBudget(
             step_budget,
             chunk_cap,
@@ -140,6 +152,10 @@ class Executor:
             self.device,
         )
         self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
+        self.spec_rows = spec_rows or 0
+        if self.speculative is not None and not spec_rows:
+            run = spec_cost.model_forward(self.model, spec, self.kv_dtype, self.device, block_size)
+            self.spec_rows = spec_cost.cheap_rows(spec_cost.measure(run))
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, list(self.eos_token_ids), self.device
@@ -167,6 +183,7 @@ class Executor:
             threads=x.threads,
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=x.gpu_memory_utilization,
+            speculative=x.speculative_config,
         )
 
     # ---- request management -------------------------------------------------------------
@@ -238,6 +255,10 @@ class Executor:
             ),
             grammar=state,
         )
+        # drafts only where their verification is exact (gpu/spec/plan.py): no grammar, no penalty
+        exact = state is None and (req.procs is None or req.procs.history_free)
+        if self.speculative is not None and exact:
+            req.ngram = NgramTokens(prompt)
         self.requests.add(req)
 
     def start(self, run: Run, grammar: Compiled | None) -> None:
@@ -286,22 +307,13 @@ class Executor:
             on_planned([r.rid for r in finals])
 
         shape = plan.shape()  # for step-time models
-        ids = [r.out[-1] for r in decodes]
-        pos = [r.computed for r in decodes]
-        logit_rows = list(range(len(decodes)))
-        samplers: list[RequestState] = list(decodes)
-        row = len(decodes)
-        for req, c in chunks:
-            s = req.computed
-            ids.extend(req.prompt[s : s + c])
-            pos.extend(range(s, s + c))
-            row += c
-            if s + c == len(req.prompt):
-                logit_rows.append(row - 1)
-                samplers.append(req)
+        sp = self._spec_plan(decodes, len(decodes) + shape.prefill_tokens)
+        drafts = sp.drafts if sp is not None else {}
+        batch = step_batch.build(decodes, chunks, drafts)
+        samplers = batch.samplers
         meta = build_metadata(
-            [(r.table, r.computed) for r in decodes],
-            [(r.table, r.computed, c) for r, c in chunks],
+            [(r.table, r.computed) for r in batch.plain],
+            batch.spans,
             self.cache,
             self.kv_dtype,
             self.device,
@@ -310,66 +322,44 @@ class Executor:
         t1 = time.perf_counter()
         masking = self.structured.start(samplers)  # the grammar masks, while the forward runs
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(batch.ids, dtype=torch.long, device=dev),
+            torch.tensor(batch.pos, dtype=torch.long, device=dev),
             meta,
             self.cache,
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            torch.tensor(batch.logit_rows, dtype=torch.long, device=dev),
         )
         masked, mask_s = logits, 0.0
         if masking is not None:
             tm = time.perf_counter()
             masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
             mask_s = time.perf_counter() - tm
-        tokens_t = sample_rows(masked, samplers)
+        tokens_t = sample_rows(masked, samplers, batch.offsets if drafts else None)
         tokens = tokens_t.tolist()
         forward_s = time.perf_counter() - t1
         lps, tops = row_logprobs(logits, tokens_t, [r.params for r in samplers])  # before the mask
 
         outputs: list[TokenOutput] = []
         failed: list[tuple[str, str, str]] = []
-        sampled = {r.rid: i for i, r in enumerate(samplers)}
-        for req in decodes:
-            req.computed += 1
         for req, c in chunks:
             req.computed += c
-            if req.rid not in sampled:
+            if req.computed < len(req.prompt):
                 n_prompt = len(req.prompt) - req.prior
                 outputs.append(
                     TokenOutput(req.rid, None, None, None, None, False, n_prompt, req.prior)
                 )
-        for i, req in enumerate(samplers):
-            tok = tokens[i]
-            first = not req.out
-            req.out.append(tok)
-            if req.procs is not None:
-                req.procs.observe(tok)
-            n_out = req.prior + len(req.out)
-            finish = None
-            if req.grammar is not None:
-                tm = time.perf_counter()
-                finish, error = self.structured.finish(req, tok)
-                mask_s += time.perf_counter() - tm
-                if error is not None:
-                    self.requests.abort(req.rid)
-                    failed.append((req.rid, "structured", error))
-                    continue
-            elif tok in req.stop:
-                finish = "stop"
-            if finish is None and (
-                n_out >= req.params.max_tokens
-                or len(req.prompt) + len(req.out) >= self.max_model_len
-            ):
-                finish = "length"
-            if finish is not None:
-                self.requests.abort(req.rid)
-            elif first:
-                self.requests.decodes(req)
-            outputs.append(
-                TokenOutput(
-                    req.rid, tok, lps[i], tops[i], finish, first, len(req.prompt) - req.prior, n_out
-                )
-            )
+        stats = SpecStats(off=sp.off) if sp is not None else None
+        for req, i, d in batch.runs:
+            n = 1
+            if d:
+                n += accepted(tokens[i : i + len(d)], d)
+                assert stats is not None
+                stats.add(req.rid, len(d), n - 1)
+            if req.out:  # a decode: its input and accepted drafts are in the cache now
+                req.computed += n
+            for j in range(i, i + n):
+                mask_s += step_batch.emit(self, req, tokens[j], lps[j], tops[j], outputs, failed)
+                if req.rid not in self.requests:
+                    break  # it ended
         return StepResult(
             outputs,
             shape.prefill_tokens,
@@ -383,4 +373,19 @@ class Executor:
             failed,
             decode_ctx=shape.decode_ctx,
             prefill_ctx=shape.prefill_ctx,
+            spec=stats,
+        )
+
+    def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:
+        """The step's drafts (``gpu/spec/plan.py``); None when speculation is off."""
+        if self.speculative is None:
+            return None
+        return plan_drafts(
+            decodes,
+            rows,
+            self.speculative,
+            self.budget.step_budget,
+            self.spec_rows,
+            self.block_size,
+            self.max_model_len,
         )

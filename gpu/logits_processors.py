@@ -100,6 +100,13 @@ class LogitsProcessors:
         )
         return cls(params, prompt, prior, stop, vocab, device) if used else None
 
+    @property
+    def history_free(self) -> bool:
+        """Whether the processing of an output depends only on its index, not on the tokens
+        generated before it (``logit_bias`` and ``min_tokens`` only, no penalty): rows of
+        drafts can then be processed before the drafts are accepted."""
+        return self.counts is None and self.seen is None
+
     def observe(self, token: int) -> None:
         """Count a newly generated token."""
         if self.counts is not None:

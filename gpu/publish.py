@@ -48,7 +48,9 @@ def step_messages(
         )
         out_msgs.append(("scheduler", done))
     events: list[TokenEvent] = []
-    for out in result.outputs:
+    # a request may emit several tokens in a step (speculative decoding): growth from its last
+    last = {o.request_id: i for i, o in enumerate(result.outputs) if o.token_id is not None}
+    for i, out in enumerate(result.outputs):
         if out.token_id is None:
             continue
         rid = out.request_id
@@ -68,6 +70,8 @@ def step_messages(
         if out.finish_reason is not None:
             flight.pop(rid)
             out_msgs.append(("scheduler", finished(rid, fl, out.finish_reason)))
+            continue
+        if last[rid] != i:
             continue
         # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
         # what the request can still write (a full reservation holds that from the start).

@@ -15,6 +15,8 @@ from messages.common import SamplingParams
 
 if TYPE_CHECKING:
     from gpu.logits_processors import LogitsProcessors
+    from gpu.spec.ngram import NgramTokens
+    from gpu.spec.verify import SpecStats
     from gpu.structured.masks import GrammarState
 
 
@@ -65,13 +67,15 @@ class StepResult:
     failed: list[tuple[str, str, str]] = field(default_factory=list)
     decode_ctx: int = 0  # sum of the decodes' context lengths (keys their attention reads)
     prefill_ctx: int = 0  # sum over prefill chunks of chunk * (start + chunk)
+    spec: SpecStats | None = None  # the step's speculation; None when speculation is off
 
 
 @dataclass
 class RequestState:
     """One in-flight request as the executor tracks it (mutated by Executor.step): the wire
     params, and the sampling state derived from them (resolved seed, stop ids, the logit
-    processors' token counts and the grammar's matcher, each None when the request uses none)."""
+    processors' token counts and the grammar's matcher, each None when the request uses none).
+    ``ngram``: its tokens for the draft proposer, None when it does not speculate."""
 
     rid: str
     prompt: list[int]
@@ -84,6 +88,7 @@ class RequestState:
     out: list[int] = field(default_factory=list)
     procs: LogitsProcessors | None = None
     grammar: GrammarState | None = None
+    ngram: NgramTokens | None = None
 
 
 def check_invariants(

@@ -140,11 +140,17 @@ def row_logprobs(
     return lps, top_out
 
 
-def sample_rows(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor, reqs: list[RequestState], offsets: list[int] | None = None
+) -> torch.Tensor:
     """A step's tokens, one per sampling row of ``reqs``: logit processors first, on their rows
     only (a batch of requests without penalties, bias or min_tokens takes the same path as
-    without them), then greedy or seeded sampling."""
-    procs = [(i, r.procs, r.prior + len(r.out)) for i, r in enumerate(reqs) if r.procs is not None]
+    without them), then greedy or seeded sampling. ``offsets[i]``: row ``i`` samples output
+    ``len(out) + offsets[i]`` of its request (a draft's row: ``gpu/spec/verify.py``), default 0."""
+    at = [r.prior + len(r.out) for r in reqs]
+    if offsets is not None:
+        at = [n + o for n, o in zip(at, offsets, strict=True)]
+    procs = [(i, r.procs, at[i]) for i, r in enumerate(reqs) if r.procs is not None]
     if procs:
         logits = apply_processors(logits, procs)
     if all(is_greedy(r.params) for r in reqs):
@@ -152,9 +158,4 @@ def sample_rows(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
         # one C pass where it applies (see gpu.cpu_ops.argmax)
         fused = cpu_ops.argmax(logits)
         return fused if fused is not None else logits.max(dim=-1).indices
-    return sample(
-        logits,
-        [r.params for r in reqs],
-        [r.seed for r in reqs],
-        [r.prior + len(r.out) for r in reqs],
-    )
+    return sample(logits, [r.params for r in reqs], [r.seed for r in reqs], at)

@@ -146,6 +146,14 @@ class ExecutorConfig:
             "once)"
         ),
     )
+    speculative_config: str = field(
+        default="",
+        metadata=doc(
+            "speculative decoding, as vLLM's JSON object: method (ngram: prompt lookup, the "
+            "only one), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min (empty: "
+            "off)"
+        ),
+    )
 
 
 @dataclass
