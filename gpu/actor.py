@@ -40,12 +40,14 @@ class ExecutorActor(Actor):
         super().__init__(cfg)
         self.ex = executor or Executor.from_config(cfg)
         self.grammars = self.ex.structured.cache
+        spec = self.ex.speculative  # room for a step's drafts, asked beyond the lookahead
         self.core = ExecutorCore(
             self.ex,
             cfg.kv.lookahead_blocks * cfg.kv.block_size,
             max(0.0, cfg.executor.burst_wait_ms) / 1000.0,
             self.log,
             grammars=self.grammars,
+            draft_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.flight = self.core.flight
         self.nursery: trio.Nursery | None = None

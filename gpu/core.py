@@ -63,10 +63,12 @@ class ExecutorCore:
         log: Any,
         clock: Callable[[], float] = time.monotonic,
         grammars: GrammarCache | None = None,
+        draft_tokens: int = 0,
     ) -> None:
         self.runner = runner
         self.requests = runner.requests
         self.lookahead = lookahead_tokens
+        self.draft_tokens = draft_tokens  # speculative decoding: drafts a step may verify
         self.burst_wait_s = burst_wait_s
         self.log = log
         self.clock = clock
@@ -252,6 +254,7 @@ class ExecutorCore:
             self.recovery.kv_down,
             self.log,
             self.clock,
+            self.draft_tokens,
         ):
             self.send(peer, msg)
         if not result.num_requests:

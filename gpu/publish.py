@@ -28,6 +28,7 @@ def step_messages(
     kv_down: bool,
     log: Any,
     clock: Callable[[], float],
+    draft_tokens: int = 0,
 ) -> list[tuple[str, msgspec.Struct]]:
     """``(peer, message)`` pairs for ``result``, in sending order. Ended requests leave
     ``flight``; each running one records its tokens and the growth it asked for. With
@@ -47,6 +48,13 @@ def step_messages(
             output_ids=fl.outputs,
         )
         out_msgs.append(("scheduler", done))
+    if result.spec is not None:  # each request's drafts, for the counters its done carries
+        for rid, drafts, accepted in result.spec.per_request:
+            sfl = flight.get(rid)
+            if sfl is not None:
+                sfl.spec[0] += 1
+                sfl.spec[1] += drafts
+                sfl.spec[2] += accepted
     events: list[TokenEvent] = []
     # a request may emit several tokens in a step (speculative decoding): growth from its last
     last = {o.request_id: i for i, o in enumerate(result.outputs) if o.token_id is not None}
@@ -75,12 +83,21 @@ def step_messages(
             continue
         # Grow ahead of need: the next step writes KV for prompt + outputs tokens; never past
         # what the request can still write (a full reservation holds that from the start).
+        # With speculation, room for the drafts too (``draft_tokens`` + 1 rows), granted only
+        # where blocks are free: ``needed_tokens`` is what the request must have.
         need = out.num_prompt_tokens + out.num_output_tokens
-        want = grow_to(need, lookahead, requests.kv_tokens_at_most(rid))
+        at_most = requests.kv_tokens_at_most(rid)
+        must = grow_to(need, lookahead, at_most)
+        want = max(must, grow_to(need, draft_tokens + 1, at_most))
         if requests.capacity(rid) < want and fl.grow_asked < want:
             fl.grow_asked = want
             if not kv_down:
-                grow = Grow(request_id=rid, attempt=fl.attempt, total_tokens=want)
+                grow = Grow(
+                    request_id=rid,
+                    attempt=fl.attempt,
+                    total_tokens=want,
+                    needed_tokens=must if must < want else 0,
+                )
                 out_msgs.append(("kv_manager", grow))
     if events:
         out_msgs.append(("tokenizer", TokenBatch(events=events)))

@@ -26,7 +26,7 @@ RECENT_S = 15.0  # how long a done is kept for a restarted scheduler's reconcili
 class Flight:
     """What the core tracks per in-flight request (the executor tracks the rest)."""
 
-    __slots__ = ("attempt", "grow_asked", "output_offset", "outputs", "prompt", "started")
+    __slots__ = ("attempt", "grow_asked", "output_offset", "outputs", "prompt", "spec", "started")
 
     def __init__(
         self, attempt: int, prompt: list[int], output_offset: int = 0, started: float = 0.0
@@ -37,6 +37,7 @@ class Flight:
         self.outputs: list[int] = []
         self.grow_asked = 0  # total tokens last asked of the KV manager
         self.started = started  # the core's clock when it started running
+        self.spec = [0, 0, 0]  # speculation: steps that verified drafts, drafts, accepted
 
 
 def finished(rid: str, fl: Flight, reason: str) -> RequestDone:
@@ -49,6 +50,9 @@ def finished(rid: str, fl: Flight, reason: str) -> RequestDone:
         kv_token_ids=fl.prompt + fl.outputs[:-1],
         output_ids=fl.outputs,
         finish_reason=reason,
+        spec_drafts=fl.spec[0],
+        spec_draft_tokens=fl.spec[1],
+        spec_accepted=fl.spec[2],
     )
 
 

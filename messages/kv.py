@@ -24,6 +24,9 @@ class Grow(Msg, tag="kv_grow"):
     request_id: str
     attempt: int
     total_tokens: int
+    # the least it must hold (0: ``total_tokens``): room for speculative drafts is asked beyond
+    # it, and granted only where blocks are free (a shortage shrinks the drafts, never preempts)
+    needed_tokens: int = 0
 
 
 class Finish(Msg, tag="kv_finish"):

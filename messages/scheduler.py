@@ -77,7 +77,7 @@ class RequestDone(Msg, tag="done"):
     ``status``: finished (``finish_reason`` stop/length), aborted, preempted or error.
     ``kv_token_ids`` are the tokens whose KV was written (prompt + outputs except the last), so
     the KV manager can cache their full blocks. ``output_ids`` are all tokens generated in this
-    attempt."""
+    attempt; ``spec_*`` count its speculative decoding (for the Prometheus counters)."""
 
     request_id: str
     attempt: int
@@ -87,6 +87,11 @@ class RequestDone(Msg, tag="done"):
     finish_reason: str | None = None
     message: str = ""
     field: str | None = None
+    # speculative decoding in this attempt (vLLM V1's counters): steps that verified drafts,
+    # drafts verified, drafts accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
 
 
 class PrefillDone(Msg, tag="prefill_done"):

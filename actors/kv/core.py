@@ -142,12 +142,16 @@ class KVCore(RebuildMixin):
 
     def grow(self, msg: km.Grow) -> None:
         if self._current(msg.request_id, msg.attempt):
-            self._grow(msg.request_id, msg.attempt, msg.total_tokens)
+            self._grow(msg.request_id, msg.attempt, msg.total_tokens, msg.needed_tokens)
 
-    def _grow(self, rid: str, attempt: int, total: int) -> bool:
-        """Grant blocks for ``total`` tokens, or record the shortage and report it (the scheduler
-        decides whether to preempt). True if granted."""
+    def _grow(self, rid: str, attempt: int, total: int, needed: int = 0) -> bool:
+        """Grant blocks for ``total`` tokens (else, when ``needed`` is less, for ``needed``), or
+        record the shortage and report it (the scheduler decides whether to preempt). True if
+        granted."""
         res = self.mgr.extend(rid, total)
+        if not isinstance(res, Extended) and 0 < needed < total:
+            total = needed  # the drafts' room is not worth a preemption
+            res = self.mgr.extend(rid, total)
         if isinstance(res, Extended):
             self.pending_growth.pop(rid, None)
             if res.evicted_blocks:

@@ -24,6 +24,7 @@ from messages.scheduler import (
     LiveRequests,
     MetricsQuery,
     MetricsText,
+    RequestDone,
     SchedulerInbound,
     Submit,
 )
@@ -156,6 +157,8 @@ class SchedulerActor(Actor):
         elif core.handle(msg):
             if isinstance(msg, BlocksFreed) or (isinstance(msg, AdmitResult) and msg.ok):
                 self.metrics.kv(msg.in_use, msg.num_blocks)
+            elif isinstance(msg, RequestDone):
+                self.metrics.done(msg)
         elif isinstance(msg, Completed):
             self.metrics.completed(msg)
         elif isinstance(msg, MetricsQuery):

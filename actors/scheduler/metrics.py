@@ -14,7 +14,7 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from messages.scheduler import Completed
+from messages.scheduler import Completed, RequestDone
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -57,6 +57,16 @@ class Metrics:
         self.prefix_queries = Counter(
             "minirt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
         )
+        # speculative decoding, vLLM V1's counters (counted when a request leaves the executor)
+        self.spec_drafts = Counter(
+            "minirt:spec_decode_num_drafts", "Steps in which a request verified drafts", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "minirt:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r
+        )
+        self.spec_accepted = Counter(
+            "minirt:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
         self.ttft = Histogram(
             "minirt:time_to_first_token_seconds",
             "Time to first token",
@@ -81,6 +91,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def done(self, msg: RequestDone) -> None:
+        """An attempt ended at the executor: its speculative decoding, counted."""
+        if msg.spec_drafts:
+            self.spec_drafts.inc(msg.spec_drafts)
+            self.spec_draft_tokens.inc(msg.spec_draft_tokens)
+            self.spec_accepted.inc(msg.spec_accepted)
 
     def completed(self, msg: Completed) -> None:
         self.success.labels(finished_reason=msg.finish_reason).inc()
