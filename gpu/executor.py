@@ -155,7 +155,7 @@ class Executor:
         self.spec_rows = spec_rows or 0
         if self.speculative is not None and not spec_rows:
             run = spec_cost.model_forward(self.model, spec, self.kv_dtype, self.device, block_size)
-            self.spec_rows = spec_cost.cheap_rows(spec_cost.measure(run))
+            self.spec_rows = spec_cost.fitted_rows(spec_cost.measure(run))
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, list(self.eos_token_ids), self.device
@@ -184,6 +184,7 @@ class Executor:
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=x.gpu_memory_utilization,
             speculative=x.speculative_config,
+            spec_rows=x.spec_max_rows or None,
         )
 
     # ---- request management -------------------------------------------------------------
@@ -352,7 +353,8 @@ class Executor:
             n = 1
             if d:
                 n += accepted(tokens[i : i + len(d)], d)
-                assert stats is not None
+                assert stats is not None and req.ngram is not None and self.speculative
+                req.ngram.settle(len(d), n - 1, self.speculative.k)
                 stats.add(req.rid, len(d), n - 1)
             if req.out:  # a decode: its input and accepted drafts are in the cache now
                 req.computed += n

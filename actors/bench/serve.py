@@ -351,7 +351,11 @@ def main(argv: list[str]) -> int:
     ctl = [{"run": n, **r["control"]} for n, r in runs.items()]
     sections += [
         "\n## Time outside the forward (executor step events)\n",
-        report.table(ctl, ["run", "steps", "forward_s", "step_s", "control_s", "control_share"]),
+        report.table(
+            ctl,
+            ["run", "steps", "forward_s", "step_s", "control_s", "control_share"]
+            + (["spec_drafted", "spec_accepted"] if any(c["spec_drafted"] for c in ctl) else []),
+        ),
         "\n## CPU seconds during the run, per process (the client is this benchmark's driver)\n",
         report.table(
             [{"run": n} | {k: f"{v:g}" for k, v in r["cpu_s"].items()} for n, r in runs.items()],

@@ -69,6 +69,9 @@ def control_share(events: list[dict[str, Any]], t0: float, t1: float) -> dict[st
         "step_s": step,
         "forward_s": forward,
         "control_share": control / (control + step) if step else 0.0,
+        # speculative decoding (zero without): drafts verified and accepted
+        "spec_drafted": sum(e.get("spec_draft_tokens", 0) for e in steps),
+        "spec_accepted": sum(e.get("spec_accepted", 0) for e in steps),
     }
 
 

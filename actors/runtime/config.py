@@ -154,6 +154,13 @@ class ExecutorConfig:
             "off)"
         ),
     )
+    spec_max_rows: int = field(
+        default=0,
+        metadata=doc(
+            "speculative decoding: a step's rows at most for drafts to ride along (0: measured "
+            "at start, the most rows whose forward costs at most twice one row's)"
+        ),
+    )
 
 
 @dataclass

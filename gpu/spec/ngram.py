@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+REST = 4  # steps without drafts after a single draft was rejected
+
 
 def propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
@@ -44,14 +46,31 @@ def propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
 
 
 class NgramTokens:
-    """One request's tokens for the proposer: its prompt, then each output as it comes."""
+    """One request's tokens for the proposer: its prompt, then each output as it comes; and
+    how many drafts it proposes next (``k``, adapted to how its last ones fared)."""
 
-    __slots__ = ("buf", "n")
+    __slots__ = ("buf", "k", "n", "rest")
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.n = len(tokens)
         self.buf = np.empty(max(64, 2 * self.n), dtype=np.int32)
         self.buf[: self.n] = tokens
+        self.k = 0  # 0: the configured num_speculative_tokens
+        self.rest = 0  # steps to propose nothing (its single drafts kept failing)
+
+    def settle(self, drafted: int, accepted: int, k_max: int) -> None:
+        """Adapt the next draft's length to this one's fate: all accepted, twice as many (the
+        text is being copied: longer runs pay); none, half (a draft row is not free on a CPU,
+        about a tenth of a one-row step on SmolLM2); some, one more than were accepted. A
+        single draft rejected rests the proposer for ``REST`` steps."""
+        if accepted == 0 and drafted == 1:
+            self.rest = REST
+        if accepted == drafted:
+            self.k = min(k_max, 2 * drafted)
+        elif accepted == 0:
+            self.k = max(1, drafted // 2)
+        else:
+            self.k = min(k_max, accepted + 1)
 
     def __len__(self) -> int:
         return self.n
@@ -66,4 +85,7 @@ class NgramTokens:
             self.n += 1
 
     def propose(self, k: int, lo: int, hi: int) -> list[int]:
+        if self.rest:
+            self.rest -= 1
+            return []
         return propose(self.buf[: self.n], k, lo, hi)

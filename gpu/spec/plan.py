@@ -65,7 +65,7 @@ def plan_drafts(
             continue
         total = len(req.prompt) + len(req.out)
         cap = min(
-            cfg.k,
+            req.ngram.k or cfg.k,
             left,
             len(req.table) * block_size - req.computed - 1,
             req.params.max_tokens - req.prior - len(req.out) - 1,

@@ -41,6 +41,11 @@ class Oracle:
     def __init__(self, ref: list[int], n: int, wrong: set[int] = frozenset(), vocab: int = 512):
         self.ref, self.n, self.wrong, self.vocab = ref, n, wrong, vocab
 
+    k = 0  # always the configured number of drafts (no adaptation: the runs stay long)
+
+    def settle(self, drafted: int, accepted: int, k_max: int) -> None:
+        pass
+
     def extend(self, tokens) -> None:
         self.n += len(tuple(tokens))
 

@@ -283,3 +283,45 @@ def test_step_event_carries_the_speculation_fields():
     assert step["spec"] == [["a", 4, 3], ["b", 2, 0]] and step["spec_off"] is None
     core.stepped(StepResult([], 0, 1, 1, [], 0.0, 0.0), 0.01, 0.0)  # speculation off: no fields
     assert "spec_k" not in log.events[-1][1]
+
+
+def test_draft_length_adapts_to_acceptance():
+    """All accepted: the next draft is twice as long (up to the configured most); none: half;
+    some: one more than were accepted."""
+    from gpu.spec.ngram import NgramTokens
+
+    t = NgramTokens([1, 2, 3])
+    assert t.k == 0  # the configured number first
+    t.settle(2, 2, 8)
+    assert t.k == 4
+    t.settle(4, 4, 8)
+    assert t.k == 8
+    t.settle(8, 8, 8)
+    assert t.k == 8
+    t.settle(8, 0, 8)
+    assert t.k == 4
+    t.settle(4, 1, 8)
+    assert t.k == 2
+    t.settle(1, 0, 8)
+    assert t.k == 1
+
+
+def test_fitted_rows_reads_the_line_not_one_rung():
+    """Rows on a line fitted to the rungs: a rung timed in a busy moment does not move the
+    answer by a rung (the one-rung rule would stop at 2 here)."""
+    line = {r: 20.0 + 2.5 * r for r in (1, 2, 4, 8, 16)}
+    assert cost.fitted_rows(line, 2.0) == 10  # 20 + 2.5 r <= 2 x 22.5
+    noisy = {**line, 2: 50.0}
+    assert cost.cheap_rows(noisy, 2.0) == 1
+    assert cost.fitted_rows(noisy, 2.0) == 10
+    assert cost.fitted_rows({1: 1.0, 2: 1.0}) == 2  # too few rungs: the one-rung rule
+
+
+def test_a_rejected_single_draft_rests_the_proposer():
+    from gpu.spec.ngram import REST, NgramTokens
+
+    t = NgramTokens([1, 2, 3, 1, 2, 3, 1, 2])
+    assert t.propose(2, 1, 3) == [3, 1]
+    t.settle(1, 0, 5)
+    assert [t.propose(2, 1, 3) for _ in range(REST)] == [[]] * REST
+    assert t.propose(2, 1, 3) == [3, 1]
