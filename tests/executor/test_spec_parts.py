@@ -292,18 +292,13 @@ def test_draft_length_adapts_to_acceptance():
 
     t = NgramTokens([1, 2, 3])
     assert t.k == 0  # the configured number first
-    t.settle(2, 2, 8)
-    assert t.k == 4
-    t.settle(4, 4, 8)
-    assert t.k == 8
-    t.settle(8, 8, 8)
-    assert t.k == 8
-    t.settle(8, 0, 8)
-    assert t.k == 4
-    t.settle(4, 1, 8)
-    assert t.k == 2
-    t.settle(1, 0, 8)
-    assert t.k == 1
+    # (drafted, accepted) in turn, with the most 8, and the next draft's length after each
+    fates = [((2, 2), 4), ((4, 4), 8), ((8, 8), 8), ((8, 0), 4), ((4, 1), 2), ((1, 0), 1)]
+    seen = []
+    for (drafted, kept), _ in fates:
+        t.settle(drafted, kept, 8)
+        seen.append(t.k)
+    assert seen == [k for _, k in fates]
 
 
 def test_fitted_rows_reads_the_line_not_one_rung():
