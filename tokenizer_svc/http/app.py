@@ -102,6 +102,20 @@ def _unique_id(server: Server, rid: str) -> str:
     return rid if rid not in server.active else f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
+def _in_flight(server: Server, base: str, response: Any) -> Any:
+    """``response`` (an ASGI app) with ``base`` in the server's front-door ids in flight while
+    it runs (``_unique_id``)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        server.active.add(base)
+        try:
+            await response(scope, receive, send)
+        finally:
+            server.active.discard(base)
+
+    return app
+
+
 def build_app(server: Server) -> Gate:
     async def run_plan(request: Request, kind: str) -> Any:
         rid = request.state.request_id
@@ -114,16 +128,9 @@ def build_app(server: Server) -> Gate:
             plan = plan_completion(comp, server.model, base)
         info = request.state.info
         info.update(kind=kind, stream=plan.stream, n=len(plan.choices))
-        response = PlanResponse(plan, server.model, server.upstream, rid, info)
-
-        async def app(scope: Any, receive: Any, send: Any) -> None:
-            server.active.add(base)
-            try:
-                await response(scope, receive, send)
-            finally:
-                server.active.discard(base)
-
-        return app
+        return _in_flight(
+            server, base, PlanResponse(plan, server.model, server.upstream, rid, info)
+        )
 
     async def completions(request: Request) -> Any:
         return await run_plan(request, "completion")
@@ -269,7 +276,7 @@ def build_app(server: Server) -> Gate:
             server.responses_max_bytes,
             server.log,
         )
-    routes += responses_routes(server, store, _body, _unique_id)
+    routes += responses_routes(server, store, _body, _unique_id, _in_flight)
     own_auth: tuple[str, ...] = ()
     if server.run_dir:
         try:

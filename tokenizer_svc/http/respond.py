@@ -97,6 +97,18 @@ class PlanResponse:
                 scope.cancel()
                 return
 
+    def _watching(self, receive: Receive, nursery: trio.Nursery) -> trio.CancelScope:
+        """Watch the connection in ``nursery`` (a disconnect cancels it) until the returned
+        scope is cancelled."""
+        watch = trio.CancelScope()
+
+        async def run() -> None:
+            with watch:
+                await self._watch(receive, nursery.cancel_scope)
+
+        nursery.start_soon(run)
+        return watch
+
     async def _collect(
         self,
         scope: Scope,
@@ -105,13 +117,7 @@ class PlanResponse:
         items: trio.MemoryReceiveChannel[tuple[int, Any]],
         nursery: trio.Nursery,
     ) -> ApiError | None:
-        watch = trio.CancelScope()
-
-        async def watch_until_done() -> None:
-            with watch:
-                await self._watch(receive, nursery.cancel_scope)
-
-        nursery.start_soon(watch_until_done)
+        watch = self._watching(receive, nursery)
         async for index, msg in items:
             if isinstance(msg, ApiError):
                 return msg
@@ -131,13 +137,7 @@ class PlanResponse:
     ) -> ApiError | None:
         writer = StreamWriter(self.plan, self.choices, self.model, self.rid)
         first: list[bytes] = []
-        watch = trio.CancelScope()
-
-        async def watch_until_first() -> None:
-            with watch:
-                await self._watch(receive, nursery.cancel_scope)
-
-        nursery.start_soon(watch_until_first)
+        watch = self._watching(receive, nursery)
         async for index, msg in items:
             if isinstance(msg, ApiError):
                 return msg  # nothing was sent yet: answer with the error's own status

@@ -122,13 +122,7 @@ class ResponsesRun(PlanResponse):
     async def _collect(
         self, scope: Scope, receive: Receive, send: Send, items: Items, nursery: trio.Nursery
     ) -> ApiError | None:
-        watch = trio.CancelScope()
-
-        async def watch_until_done() -> None:
-            with watch:
-                await self._watch(receive, nursery.cancel_scope)
-
-        nursery.start_soon(watch_until_done)
+        watch = self._watching(receive, nursery)
         async for index, msg in items:
             if isinstance(msg, ApiError):
                 return self.turn.names.respell(msg)
@@ -143,14 +137,8 @@ class ResponsesRun(PlanResponse):
         self, scope: Scope, receive: Receive, send: Send, items: Items, nursery: trio.Nursery
     ) -> ApiError | None:
         writer = EventWriter(self.shape)
-        watch = trio.CancelScope()
         ended = False
-
-        async def watch_until_first() -> None:
-            with watch:
-                await self._watch(receive, nursery.cancel_scope)
-
-        nursery.start_soon(watch_until_first)
+        watch = self._watching(receive, nursery)
         async for index, msg in items:
             if isinstance(msg, ApiError):
                 return self.turn.names.respell(msg)  # nothing sent yet: its own status
@@ -207,6 +195,7 @@ def responses_routes(
     store: ResponseStore | None,
     read_body: Callable[[Request, type[ResponsesRequest], float], Awaitable[ResponsesRequest]],
     unique_id: Callable[[Server, str], str],
+    in_flight: Callable[[Server, str, Any], Any],
 ) -> list[BaseRoute]:
     """The routes of the Responses API; ``store`` None: nothing is stored (no run directory)."""
 
@@ -236,15 +225,7 @@ def responses_routes(
                 server.log.warning("http.response_store_failed", id=shape.id, error=str(e))
 
         run = ResponsesRun(server, turn, plan, shape, keep if stored else None, rid, info)
-
-        async def app(scope: Any, receive: Any, send: Any) -> None:
-            server.active.add(base)
-            try:
-                await run(scope, receive, send)
-            finally:
-                server.active.discard(base)
-
-        return app
+        return in_flight(server, base, run)
 
     def stored(request: Request) -> tuple[str, dict[str, Any]]:
         rid = request.path_params["response_id"]
