@@ -23,6 +23,7 @@ import trio
 
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
+from gpu import disk_jobs
 from gpu.core import ExecutorCore
 from gpu.executor import Executor, StepResult
 from gpu.kernels import isa as kernel_isa
@@ -41,6 +42,7 @@ class ExecutorActor(Actor):
         self.ex = executor or Executor.from_config(cfg)
         self.grammars = self.ex.structured.cache
         spec = self.ex.speculative  # room for a step's drafts, asked beyond the lookahead
+        self.store = disk_jobs.open_store(cfg, self.ex) if cfg.kv.disk_dir else None
         self.core = ExecutorCore(
             self.ex,
             cfg.kv.lookahead_blocks * cfg.kv.block_size,
@@ -48,6 +50,7 @@ class ExecutorActor(Actor):
             self.log,
             grammars=self.grammars,
             draft_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            disk=disk_jobs.ledger(self.ex) if self.store is not None else None,
         )
         self.flight = self.core.flight
         self.nursery: trio.Nursery | None = None
@@ -55,6 +58,9 @@ class ExecutorActor(Actor):
         self.wake = trio.Event()
         self.step_started: float | None = None
         self.reconcile_due: list[bytes] = []  # a (re)started scheduler asked what runs here
+        self.disk_reads = trio.CapacityLimiter(1)
+        self.disk_writes = trio.CapacityLimiter(1)
+        self._announce()
         # where a step runs: trio's worker thread, or the main thread (gpu/main_thread.py,
         # set by the runner)
         self.run_step: Callable[[Callable[[], StepResult]], Awaitable[StepResult]] = (
@@ -149,6 +155,29 @@ class ExecutorActor(Actor):
                     self.core.apply(GrammarBuilt(run, build_grammar(self.grammars, run), 0.0))
                 else:
                     self.nursery.start_soon(self._build, run)
+            for work in self.core.take_disk():
+                assert self.store is not None
+                job = functools.partial(disk_jobs.do, self.store, self.ex, work)
+                if self.nursery is None:
+                    self._disk_done(job())
+                else:  # one read and one write at a time: a run whose blocks are read first
+                    # starts first (two cores read no faster for sharing them)
+                    lane = self.disk_reads if isinstance(work, xm.Run) else self.disk_writes
+                    self.nursery.start_soon(self._disk, job, lane)
+
+    async def _disk(self, job: Callable[[], Any], lane: trio.CapacityLimiter) -> None:
+        self._disk_done(await trio.to_thread.run_sync(job, limiter=lane))
+
+    def _disk_done(self, result: Any) -> None:
+        if result is not None:
+            self.mailbox.append(result)
+            self.wake.set()
+
+    def _announce(self) -> None:
+        """Tell the KV manager what the disk tier holds (at start; to a restarted one)."""
+        if self.store is not None:
+            self.core.send("kv_manager", disk_jobs.announcement(self.store, self.ex))
+            self.wake.set()
 
     async def _build(self, run: xm.Run) -> None:
         t0 = time.perf_counter()
@@ -208,5 +237,7 @@ class ExecutorActor(Actor):
         self.core.recovery.peer_dead(name, reason)
 
     def on_peer_back(self, name: str) -> None:
+        if name == "kv_manager":
+            self._announce()
         if self.core.recovery.peer_back(name):
             self.wake.set()

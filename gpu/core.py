@@ -16,6 +16,8 @@ drives the same core around a stand-in whose forward is the fitted step-time mod
 - **publishing** a step (``planned``, ``stepped``): ``prefill_done`` for the prompts a step
   completes as soon as it is planned, then its tokens, the ends, and the KV growth one
   ``lookahead`` ahead of need (``gpu/publish.py``);
+- **the disk tier** (``--kv-disk-dir``, ``gpu/disk_io.py``): runs whose prefix is read from
+  disk first, the writes and deletes the KV manager asks for, done by the driver off the loop;
 - **recovery** from a peer's crash (``gpu/recovery.py``): what runs here for a restarted
   scheduler (``held``), every block table for the KV manager's successor (``holding``).
 
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from gpu.disk_io import DiskIO, DiskRead, DiskWritten
 from gpu.publish import step_messages
 from gpu.recovery import Flight, Recovery
 from gpu.request_table import RequestTable
@@ -40,7 +43,9 @@ from gpu.step_plan import burst_end
 from gpu.structured.builds import GrammarBuilt, MatcherBuilds
 from gpu.structured.grammar import Compiled, GrammarCache, GrammarError
 from messages import executor as xm
+from messages import kv
 from messages.scheduler import PrefillDone, RequestDone
+from messages.tokenizer import RequestAdmitted
 
 Outgoing = tuple[str, msgspec.Struct]
 
@@ -64,6 +69,7 @@ class ExecutorCore:
         clock: Callable[[], float] = time.monotonic,
         grammars: GrammarCache | None = None,
         draft_tokens: int = 0,
+        disk: DiskIO | None = None,
     ) -> None:
         self.runner = runner
         self.requests = runner.requests
@@ -74,6 +80,7 @@ class ExecutorCore:
         self.clock = clock
         self.flight: dict[str, Flight] = {}
         self.builds = MatcherBuilds(grammars) if grammars is not None else None
+        self.disk = disk  # the disk tier's loads and writes (--kv-disk-dir), else None
         self.outbox: list[Outgoing] = []
         self.more_coming = False  # the last run said another is being admitted behind it
         self.steps = 0
@@ -94,6 +101,11 @@ class ExecutorCore:
         (``gpu.structured.builds.build_grammar``) and hand back as ``GrammarBuilt``."""
         return self.builds.take() if self.builds is not None else []
 
+    def take_disk(self) -> list[xm.Run | xm.DiskSave | xm.DiskDrop]:
+        """The disk-tier work for the driver's worker threads (``gpu/disk_io.py``): runs whose
+        files to read (answered with ``DiskRead``), saves (``DiskWritten``) and deletes."""
+        return self.disk.take() if self.disk is not None else []
+
     # ------------------------------------------------------------------ inputs
     def apply(self, msg: Any) -> None:
         """A message from the inbox (``x_run``, ``x_extend``, ``x_preempt``, ``x_stop``) or a
@@ -104,6 +116,9 @@ class ExecutorCore:
         if isinstance(msg, GrammarBuilt):
             if self.builds is not None and self.builds.done(msg):  # else dropped since
                 self._built(msg.run, msg.result, msg.seconds, cache_hit=False)
+            return
+        if isinstance(msg, (DiskRead, DiskWritten, xm.DiskSave, xm.DiskDrop)):
+            self._disk(msg)
             return
         if not isinstance(msg, xm.Extend) and self._stop_building(msg.request_id, msg.attempt):
             status = "preempted" if isinstance(msg, xm.Preempt) else "aborted"
@@ -131,11 +146,55 @@ class ExecutorCore:
                 )
 
     def _stop_building(self, rid: str, attempt: int | None = None) -> bool:
-        return self.builds is not None and self.builds.drop(rid, attempt)
+        loading = self.disk is not None and self.disk.drop(rid, attempt)
+        return loading or (self.builds is not None and self.builds.drop(rid, attempt))
 
     def building(self) -> list[xm.Run]:
-        """The runs waiting for their matcher (they hold blocks, not yet running)."""
-        return list(self.builds.runs.values()) if self.builds is not None else []
+        """The runs waiting for their matcher or their blocks from disk (they hold blocks,
+        not yet running)."""
+        runs = list(self.builds.runs.values()) if self.builds is not None else []
+        return runs + (list(self.disk.loading.values()) if self.disk is not None else [])
+
+    def _disk(self, msg: DiskRead | DiskWritten | xm.DiskSave | xm.DiskDrop) -> None:
+        if self.disk is None:
+            return
+        if isinstance(msg, (xm.DiskSave, xm.DiskDrop)):
+            self.disk.queue(msg)
+        elif isinstance(msg, DiskWritten):
+            self.log.info(
+                "executor.disk_written",
+                save_id=msg.save.save_id,
+                blocks=len(msg.save.keys) - len(msg.failed),
+                failed=len(msg.failed),
+                bytes=msg.nbytes,
+                seconds=round(msg.seconds, 6),
+            )
+            done = kv.DiskSaved(save_id=msg.save.save_id, keys=msg.save.keys, failed=msg.failed)
+            self.send("kv_manager", done)
+        elif (run := self.disk.done(msg)) is not None:
+            self.log.info(
+                "executor.disk_loaded",
+                request_id=msg.run.request_id,
+                blocks=len(msg.payloads),
+                bytes=sum(map(len, msg.payloads)),
+                seconds=round(msg.seconds, 6),
+                cached_tokens=run.cached_tokens,
+            )
+            if msg.bad is not None:
+                key, why = msg.bad
+                self.log.warning(
+                    "executor.disk_bad_block", request_id=msg.run.request_id, key=key, reason=why
+                )
+                self.send("kv_manager", kv.DiskDropped(keys=[key], reason=why))
+                fewer = RequestAdmitted(
+                    request_id=run.request_id,
+                    cached_tokens=run.cached_tokens,
+                    queue_s=0.0,
+                    attempt=run.attempt,
+                    recomputed=True,
+                )
+                self.send("tokenizer", fewer)
+            self._go(run)
 
     def _run(self, msg: xm.Run) -> None:
         rid = msg.request_id
@@ -144,6 +203,13 @@ class ExecutorCore:
             self.requests.abort(rid)
             self.flight.pop(rid)
         self._stop_building(rid)
+        if msg.load_keys and self.disk is not None:
+            self.disk.load(msg)  # started once its blocks are read (DiskRead)
+            return
+        self._go(msg)
+
+    def _go(self, msg: xm.Run) -> None:
+        """Start a run whose cached prefix is in its blocks: now, or once its matcher is built."""
         if msg.params.structured is None or self.builds is None:
             self._start(msg, None)
             return

@@ -109,6 +109,7 @@ class Executor:
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec
+        self.model_dir = Path(model_dir)
         # the KV cache and the weights as loaded are in the attention block's dtype (float32
         # for bfloat16 on CPU: see gpu.loader.attention_dtype)
         self.kv_dtype = loader.attention_dtype(self.dtype, self.device)

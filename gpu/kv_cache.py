@@ -12,6 +12,7 @@ functions that need it, so sizing a pool from a config does not pull in the exec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from actors.runtime.config import RuntimeConfig
+    from gpu.disk_store import Payload
     from gpu.loader import ModelSpec
 
 
@@ -96,6 +98,32 @@ class PagedKVCache:
         if nbytes < per_block:
             raise ValueError(f"KV memory budget {nbytes} B is below one block ({per_block} B)")
         return nbytes // per_block
+
+    def read_block(self, block: int) -> bytes:
+        """Block ``block``'s K and V of every layer as bytes (``[2, layers, kv_heads,
+        block_size * head_dim]``): what the disk tier stores."""
+        import torch
+
+        rows = [t[block :: self.num_blocks] for t in (*self.block_k, *self.block_v)]
+        return torch.stack(rows).cpu().view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block: int, payload: Payload) -> None:
+        """Put ``read_block``'s bytes back into block ``block`` (a read-only ``payload`` is
+        copied once; a writable one is read in place)."""
+        import torch
+
+        tables = (*self.block_k, *self.block_v)
+        row = tables[0].shape[1]
+        if isinstance(payload, bytes) or (isinstance(payload, memoryview) and payload.readonly):
+            payload = bytearray(payload)
+        flat = torch.frombuffer(payload, dtype=torch.uint8).view(tables[0].dtype)
+        parts = flat.view(len(tables), self.num_kv_heads, row).to(tables[0].device)
+        for t, part in zip(tables, parts, strict=True):
+            t[block :: self.num_blocks] = part
+
+    def write_block_many(self, blocks: Sequence[int], payloads: Sequence[Payload]) -> None:
+        for b, p in zip(blocks, payloads, strict=True):
+            self.write_block(b, p)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) of ``layer`` at ``slots`` (``[n]`` int64)."""

@@ -93,6 +93,8 @@ class Recovery:
             return
         if core.builds is not None:
             core.builds.clear()
+        if core.disk is not None:
+            core.disk.loading.clear()
         for rid in list(core.flight):
             core.requests.abort(rid)
         core.log.warning("executor.reset", reason=reason, dropped=len(core.flight))

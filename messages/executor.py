@@ -25,6 +25,10 @@ class Run(Msg, tag="x_run"):
     output_offset: int = 0
     more: bool = False  # another admission is out: an idle executor waits for it (burst_wait_ms)
     grammar: str = ""  # ``Submit.grammar``: the front door's compiled constraint
+    # ``AdmitResult.load_*``: part of ``cached_tokens`` is on disk; load these blocks first (a
+    # file that fails its check is recomputed from its position instead)
+    load_blocks: list[int] = []
+    load_keys: list[str] = []
 
 
 class Extend(Msg, tag="x_extend"):
@@ -33,6 +37,21 @@ class Extend(Msg, tag="x_extend"):
     request_id: str
     attempt: int
     blocks: list[int]
+
+
+class DiskSave(Msg, tag="x_disk_save"):
+    """KV -> executor: write these cached blocks to the disk tier as ``keys`` (the KV manager
+    keeps them from being evicted until ``kv.DiskSaved`` answers ``save_id``)."""
+
+    save_id: int
+    blocks: list[int]
+    keys: list[str]
+
+
+class DiskDrop(Msg, tag="x_disk_drop"):
+    """KV -> executor: delete these block files (the disk tier's LRU, within its byte bound)."""
+
+    keys: list[str]
 
 
 class Preempt(Msg, tag="x_preempt"):
@@ -67,4 +86,6 @@ class ExecutorStats(Msg, tag="x_stats_reply"):
     structured_cached: int = 0
 
 
-ExecutorInbound = Hello | Ping | Run | Extend | Preempt | Stop | Stats | Reconcile
+ExecutorInbound = (
+    Hello | Ping | Run | Extend | DiskSave | DiskDrop | Preempt | Stop | Stats | Reconcile
+)

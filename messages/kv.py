@@ -15,6 +15,7 @@ class Admit(Msg, tag="kv_admit"):
     attempt: int
     token_ids: list[int]
     reserve_tokens: int
+    cache_salt: str = ""  # ``Submit.cache_salt``: cached KV is shared only within one salt
 
 
 class Grow(Msg, tag="kv_grow"):
@@ -61,6 +62,7 @@ class MatchQuery(Msg, tag="kv_match"):
     each token list, without allocating or touching LRU order."""
 
     token_lists: list[list[int]]
+    salts: list[str] = []  # each list's cache_salt (none: unsalted)
 
 
 class MatchReply(Msg, tag="kv_match_reply"):
@@ -85,6 +87,11 @@ class Stats(Msg, tag="kv_stats_reply"):
     preemptions: int
     check_ok: bool
     check_error: str = ""
+    # the disk tier (``--kv-disk-dir``): blocks and bytes on disk, its bound, tokens it served
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    disk_capacity: int = 0
+    disk_hit_tokens: int = 0
 
 
 class HeldBlocks(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -113,6 +120,33 @@ class Holding(Msg, tag="kv_holding"):
     requests: list[HeldBlocks]
 
 
+class DiskTier(Msg, tag="kv_disk_tier"):
+    """Executor -> KV manager (at start, and to a restarted KV manager): the disk tier it keeps
+    for this model (``fingerprint``: weights, dtype, block size, KV layout), the block files found
+    there, least recently used first, each ``block_bytes`` long."""
+
+    fingerprint: str
+    block_bytes: int
+    keys: list[str]
+
+
+class DiskSaved(Msg, tag="kv_disk_saved"):
+    """Executor -> KV: the blocks of ``executor.DiskSave`` ``save_id`` are written (``failed``:
+    the keys that could not be)."""
+
+    save_id: int
+    keys: list[str]
+    failed: list[str] = []
+
+
+class DiskDropped(Msg, tag="kv_disk_dropped"):
+    """Executor -> KV: these block files were missing or failed their check at load (deleted;
+    their tokens were recomputed)."""
+
+    keys: list[str]
+    reason: str
+
+
 KVInbound = (
     Hello
     | Ping
@@ -125,5 +159,8 @@ KVInbound = (
     | StatsQuery
     | Rebuild
     | Holding
+    | DiskTier
+    | DiskSaved
+    | DiskDropped
     | Reconcile
 )

@@ -25,6 +25,8 @@ class Submit(Msg, tag="submit"):
     # ``params.structured`` as the front door compiled it (llguidance's grammar, JSON text): the
     # executor builds its matcher from this, never from the client's constraint
     grammar: str = ""
+    # the tenant's ``cache_salt`` (vLLM's field): requests share cached KV only with the same salt
+    cache_salt: str = ""
 
 
 class Abort(Msg, tag="abort"):
@@ -50,6 +52,12 @@ class AdmitResult(Msg, tag="admit_result"):
     fatal: bool = False  # the request can never fit (larger than the whole pool)
     in_use: int = 0  # blocks held by running requests after this decision (for metrics)
     num_blocks: int = 0
+    # the disk tier's part of ``cached_tokens``: blocks of the table (in order, right after the
+    # pool's cached prefix) whose KV the executor loads from the files ``load_keys`` first
+    load_blocks: list[int] = []
+    load_keys: list[str] = []
+    # refused, but blocks pinned by disk-tier writes come back without a release: wait
+    pinned: bool = False
 
 
 class GrowthShortage(Msg, tag="shortage"):
@@ -69,6 +77,8 @@ class BlocksFreed(Msg, tag="freed"):
     evictable: int
     in_use: int = 0
     num_blocks: int = 0
+    # False: not the answer to a finish/release, but blocks unpinned by a disk-tier write
+    answer: bool = True
 
 
 class RequestDone(Msg, tag="done"):

@@ -84,6 +84,9 @@ class Generate(Msg, tag="generate"):
     parallel_tool_calls: bool = True
     # Extra variables for the chat template (e.g. ``{"enable_thinking": false}``).
     chat_template_kwargs: dict[str, Any] = {}
+    # vLLM's ``cache_salt``: cached KV (pool and disk) is shared only among requests with the
+    # same salt, so one tenant cannot time another's prompts through the prefix cache
+    cache_salt: str = ""
 
 
 class Cancel(Msg, tag="cancel"):
@@ -110,12 +113,15 @@ class TokenBatch(Msg, tag="tokens"):
 
 
 class RequestAdmitted(Msg, tag="admitted"):
-    """Scheduler -> tokenizer: the request got its KV blocks (for usage and timings)."""
+    """Scheduler -> tokenizer: the request got its KV blocks (for usage and timings).
+    ``recomputed`` (executor -> tokenizer): a correction: of the attempt's cached tokens only
+    ``cached_tokens`` were usable (a disk-tier block file failed its check)."""
 
     request_id: str
     cached_tokens: int
     queue_s: float
     attempt: int = 0
+    recomputed: bool = False
 
 
 class RequestFailed(Msg, tag="failed"):

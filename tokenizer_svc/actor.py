@@ -226,7 +226,9 @@ class TokenizerService(Actor):
             min_tokens=params.min_tokens,
         )
         stream.reading = checked.reading
-        resume = Resume(ids, params, time.time(), grammar=checked.grammar)
+        resume = Resume(
+            ids, params, time.time(), grammar=checked.grammar, cache_salt=msg.cache_salt
+        )
         # a peer died and is being restarted: the request waits, as a resumed one does, and is
         # submitted once the runtime serves (or fails after the resume window, resume.py)
         self.core.start(ident, internal, stream, resume, msg.resume_ids, sorted(self.down), now)

@@ -139,7 +139,10 @@ class FrontDoorCore:
     def admitted(self, msg: RequestAdmitted) -> None:
         live = self.live.get(msg.request_id)
         if live is not None:
-            live.stream.admitted(msg.cached_tokens, msg.queue_s)
+            if msg.recomputed:
+                live.stream.recomputed(msg.cached_tokens, msg.attempt)
+                return
+            live.stream.admitted(msg.cached_tokens, msg.queue_s, msg.attempt)
             live.resume.progressed = True
 
     def failed(self, msg: RequestFailed, now: float) -> None:

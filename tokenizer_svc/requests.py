@@ -31,6 +31,7 @@ from tokenizer_svc.agent.tools import (
 )
 
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT = 256  # characters of a cache_salt (as the HTTP door bounds it)
 
 
 @dataclass
@@ -145,6 +146,8 @@ def check_request(
             if reading.tool_parser and msg.tool_choice != "auto":  # the tools' grammar
                 raise Invalid(e.code, "tools", e.reason) from None
             raise
+    if len(msg.cache_salt) > MAX_CACHE_SALT:
+        raise Invalid(ErrorCode.INVALID, "cache_salt", f"at most {MAX_CACHE_SALT} characters")
     if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):
         raise Invalid(
             ErrorCode.INVALID, "stop", f"at most {MAX_STOP_STRINGS} non-empty stop strings"

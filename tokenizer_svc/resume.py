@@ -35,6 +35,7 @@ class Resume:
     params: SamplingParams
     arrival: float  # wall clock, kept across resumes
     grammar: str = ""  # params.structured as the front door compiled it (Submit.grammar)
+    cache_salt: str = ""  # Generate.cache_salt
     resumes: int = 0
     progressed: bool = False  # admitted or streamed a token since it was last submitted
     pending_since: float | None = None  # trio clock; None while submitted
@@ -61,6 +62,7 @@ class Resume:
             resumes=self.resumes,
             resume_reason=self.reason,
             grammar=self.grammar,
+            cache_salt=self.cache_salt,
         )
 
     def lost(self, reason: str, now: float) -> str:

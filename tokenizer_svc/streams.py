@@ -62,6 +62,8 @@ class Stream:
         self.cached_tokens = 0
         self.queue_s = 0.0
         self.attempts = 0
+        self.attempt = 0  # the attempt last admitted
+        self.fewer_cached: dict[int, int] = {}  # attempt -> cached tokens, as the executor found
         self.token_ids: list[int] = []  # every token streamed (what a resume continues after)
         self.reading = Reading()  # how the client reads the output (tools, reasoning)
 
@@ -78,11 +80,19 @@ class Stream:
     def _text(self, token_id: int) -> str:
         return self.detok.push(token_id) if self.detok is not None else ""
 
-    def admitted(self, cached_tokens: int, queue_s: float) -> None:
+    def admitted(self, cached_tokens: int, queue_s: float, attempt: int = 0) -> None:
         """The scheduler admitted the request (again, after a preemption)."""
-        self.cached_tokens = cached_tokens
+        self.cached_tokens = min(cached_tokens, self.fewer_cached.get(attempt, cached_tokens))
         self.queue_s = queue_s
         self.attempts += 1
+        self.attempt = attempt
+
+    def recomputed(self, cached_tokens: int, attempt: int) -> None:
+        """The executor found fewer of the attempt's cached tokens usable (a bad block file of
+        the disk tier: recomputed). Either message may arrive first."""
+        self.fewer_cached[attempt] = cached_tokens
+        if attempt == self.attempt:
+            self.cached_tokens = min(self.cached_tokens, cached_tokens)
 
     def token(self, ev: TokenEvent, now: float) -> tuple[cm.Delta, Ending | None]:
         """The client's ``Delta`` for one generated token, and how it ended the stream (or None)."""

@@ -109,6 +109,7 @@ def build_generate(
     tool_choice: str = "auto",
     parallel_tool_calls: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    cache_salt: str = "",
     **params: Any,
 ) -> Generate:
     """A ``Generate`` message; ``params`` are ``SamplingParams`` fields (max_tokens, temperature...);
@@ -126,6 +127,7 @@ def build_generate(
         params=SamplingParams(**params),
         request_id=request_id or uuid.uuid4().hex,
         stop=stop or [],
+        cache_salt=cache_salt,
     )
 
 

@@ -11,6 +11,8 @@ for a given Python build (tuples of ints hash without per-process salt).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 
 _M64 = (1 << 64) - 1
@@ -49,3 +51,33 @@ def filler(index: int, n: int) -> list[int]:
     block): the parts of a sequence the log has no hashes for (a prompt's partial last block,
     tokens generated past the last logged block)."""
     return [-1 - index] * n
+
+
+def salted(token_ids: Sequence[int], salt: str) -> Sequence[int]:
+    """``token_ids`` as the prefix cache keys them for a request with ``cache_salt`` ``salt``:
+    the first token paired with the salt, so that the first block (and so every block after it)
+    of one salt never equals another salt's. Unsalted (``""``): the ids themselves."""
+    if not salt or not token_ids:
+        return token_ids
+    return [(salt, token_ids[0]), *token_ids[1:]]  # type: ignore[list-item]
+
+
+def disk_keys(
+    tokens: Sequence[int], block_size: int, seed: str, salt: str = "", num_blocks: int = -1
+) -> list[str]:
+    """The disk tier's names of the first ``num_blocks`` full blocks of ``tokens`` (all, when
+    negative): a BLAKE2b chain (128 bits) over the tokens, seeded with the model's fingerprint
+    (``seed``) and the request's ``salt``. Unlike ``chain_hashes`` these outlive the process and
+    name KV bytes another process will trust, so they are a cryptographic hash."""
+    full = len(tokens) // block_size
+    n = full if num_blocks < 0 else min(num_blocks, full)
+    if n <= 0:
+        return []
+    ids = array("q", tokens[: n * block_size]).tobytes()
+    step = 8 * block_size
+    prev = hashlib.blake2b(f"{seed}\0{salt}".encode(), digest_size=16).digest()
+    out = []
+    for i in range(n):
+        prev = hashlib.blake2b(prev + ids[i * step : (i + 1) * step], digest_size=16).digest()
+        out.append(prev.hex())
+    return out

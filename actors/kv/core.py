@@ -22,7 +22,8 @@ pairs), replies returned to the caller, and events logged. No sockets, no clock.
 Messages for an attempt the core does not hold (stale after a preemption or a restart) are
 ignored. Events (all ``kv.*`` / ``prefix.*``): kv.config, kv.refused, prefix.matched,
 kv.evicted, kv.allocated, kv.extended, kv.shortage, kv.released, kv.cached, kv.cache_error,
-kv.finish_error, kv.stale_request, kv.reset, kv.rebuilt, kv.rebuild_failed.
+kv.finish_error, kv.stale_request, kv.reset, kv.rebuilt, kv.rebuild_failed; the disk tier's
+(``disk_control.py``: kv.disk_*) when the executor keeps one (``--kv-disk-dir``).
 
 Over 300 lines: one handler per KV message of the protocol, each short, over one ``KVManager``;
 the rebuild after a crash is ``rebuild.py``.
@@ -35,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from actors.kv.disk_control import DiskControl
 from actors.kv.errors import KVError
 from actors.kv.manager import KVManager
 from actors.kv.rebuild import Rebuilding, RebuildMixin
@@ -66,6 +68,7 @@ class KVCore(RebuildMixin):
         self.pending_growth: OrderedDict[str, tuple[int, int]] = OrderedDict()  # oldest first
         self.outbox: list[Outgoing] = []
         self.rebuilding: Rebuilding | None = None  # a restarted KV manager, reports coming in
+        self.disk = DiskControl(cfg.disk_bytes, log, self._send)  # inert until announced
         self.log.info(
             "kv.config",
             num_blocks=num_blocks,
@@ -77,6 +80,9 @@ class KVCore(RebuildMixin):
     def _new_manager(self, num_blocks: int) -> KVManager:
         c = self.cfg
         return KVManager(num_blocks, c.block_size, mode=c.mode, lookahead_blocks=c.lookahead_blocks)
+
+    def _send(self, peer: str, msg: msgspec.Struct) -> None:
+        self.outbox.append((peer, msg))
 
     def take_outbox(self) -> list[Outgoing]:
         out, self.outbox = self.outbox, []
@@ -92,7 +98,8 @@ class KVCore(RebuildMixin):
             self.log.warning("kv.stale_request", request_id=rid, attempt=self.attempts.get(rid))
             mgr.release(rid, preempted=False)
         try:
-            res = mgr.admit(rid, msg.token_ids, max(msg.reserve_tokens, len(msg.token_ids)))
+            reserve = max(msg.reserve_tokens, len(msg.token_ids))
+            res = mgr.admit(rid, msg.token_ids, reserve, msg.cache_salt)
         except KVError as e:
             res = Refused(str(e), 0, mgr.pool.num_free, 0, fatal=True)
         if isinstance(res, Refused):
@@ -107,15 +114,19 @@ class KVCore(RebuildMixin):
                 blocks_needed=res.blocks_needed,
                 blocks_free=res.blocks_free,
                 blocks_evictable=res.blocks_evictable,
+                pinned=self.disk.pinning(),
             )
             self.outbox.append(("scheduler", refusal))
             return
         self.attempts[rid] = msg.attempt
-        if res.cached_tokens:
+        loads, keys = self.disk.admitted(mgr, rid, msg.token_ids, msg.cache_salt, res.cached_tokens)
+        cached = res.cached_tokens + len(loads) * mgr.block_size
+        if cached:
             self.log.info(
                 "prefix.matched",
                 request_id=rid,
-                cached_tokens=res.cached_tokens,
+                cached_tokens=cached,
+                disk_tokens=cached - res.cached_tokens,
                 prompt_tokens=len(msg.token_ids),
             )
         if res.evicted_blocks:
@@ -133,10 +144,12 @@ class KVCore(RebuildMixin):
             attempt=msg.attempt,
             ok=True,
             block_table=res.block_table,
-            cached_tokens=res.cached_tokens,
+            cached_tokens=cached,
             evicted=res.evicted_blocks,
             in_use=mgr.stats().in_use,
             num_blocks=mgr.pool.num_blocks,
+            load_blocks=loads,
+            load_keys=keys,
         )
         self.outbox.append(("scheduler", result))
 
@@ -180,6 +193,7 @@ class KVCore(RebuildMixin):
         try:
             n = self.mgr.cache_prefix(msg.request_id, msg.token_ids)
             self.log.debug("kv.cached", request_id=msg.request_id, new_blocks=n)
+            self.disk.cached(self.mgr, msg.token_ids, self.mgr.requests[msg.request_id].salt)
         except KVError as e:
             self.log.error("kv.cache_error", request_id=msg.request_id, reason=str(e))
 
@@ -189,7 +203,9 @@ class KVCore(RebuildMixin):
         if self._current(rid, msg.attempt):
             try:
                 if isinstance(msg, km.Finish):
+                    salt = mgr.requests[rid].salt
                     freed, reason = mgr.finish(rid, msg.token_ids), "finished"
+                    self.disk.cached(mgr, msg.token_ids, salt)
                 else:
                     freed = mgr.release(rid, preempted=msg.reason == "preempted")
                     reason = msg.reason
@@ -197,11 +213,23 @@ class KVCore(RebuildMixin):
                 self.log.error("kv.finish_error", request_id=rid, reason=str(e))
                 freed, reason = mgr.release(rid, preempted=False), "finish_error"
             self._after_free(rid, reason, freed)
-        s = mgr.stats()
+        self._freed()
+
+    def _freed(self, answer: bool = True) -> None:
+        s = self.mgr.stats()
         freed_msg = BlocksFreed(
-            free=s.free, evictable=s.evictable, in_use=s.in_use, num_blocks=s.num_blocks
+            free=s.free,
+            evictable=s.evictable,
+            in_use=s.in_use,
+            num_blocks=s.num_blocks,
+            answer=answer,
         )
         self.outbox.append(("scheduler", freed_msg))
+
+    def _unpinned(self) -> None:
+        """Blocks a disk write pinned are evictable again: growth and admission retry."""
+        self._retry_growth()
+        self._freed(answer=False)
 
     def _after_free(self, rid: str, reason: str, freed: list[int]) -> None:
         self.attempts.pop(rid, None)
@@ -214,6 +242,9 @@ class KVCore(RebuildMixin):
             free=self.mgr.pool.num_free,
             in_use=self.mgr.stats().in_use,
         )
+        self._retry_growth()
+
+    def _retry_growth(self) -> None:
         for other, (attempt, total) in list(self.pending_growth.items()):
             if not self._current(other, attempt):
                 self.pending_growth.pop(other, None)
@@ -228,6 +259,13 @@ class KVCore(RebuildMixin):
             self.report(msg)
         elif isinstance(msg, Reconcile):
             return self.held()
+        elif isinstance(msg, km.DiskTier):
+            self.disk.announce(msg)
+        elif isinstance(msg, km.DiskSaved):
+            if self.disk.saved(self.mgr, msg):
+                self._unpinned()
+        elif isinstance(msg, km.DiskDropped):
+            self.disk.dropped(msg)
         elif self.rebuilding is not None and not isinstance(msg, (km.MatchQuery, km.StatsQuery)):
             self.rebuilding.deferred.append(msg)  # after the rebuild
         elif isinstance(msg, km.Admit):
@@ -259,7 +297,12 @@ class KVCore(RebuildMixin):
         return KVHeld(allocations=allocations)
 
     def match(self, msg: km.MatchQuery) -> km.MatchReply:
-        return km.MatchReply(cached_tokens=[self.mgr.peek_match(t) for t in msg.token_lists])
+        salts = msg.salts or [""] * len(msg.token_lists)
+        return km.MatchReply(
+            cached_tokens=[
+                self.mgr.peek_match(t, s) for t, s in zip(msg.token_lists, salts, strict=False)
+            ]
+        )
 
     def stats(self, check: bool) -> km.Stats:
         s = self.mgr.stats()
@@ -281,6 +324,7 @@ class KVCore(RebuildMixin):
             preemptions=s.preemptions,
             check_ok=ok,
             check_error=err,
+            **self.disk.stats(),
         )
 
     # --------------------------------------------------------------- failures
@@ -304,6 +348,7 @@ class KVCore(RebuildMixin):
                 self.outbox.append(("scheduler", KVRebuilt(ok=False, reason=why)))
         if name == "executor":
             self.mgr = self._new_manager(self.mgr.pool.num_blocks)
+            self.disk.reset()
         else:
             for rid in list(self.mgr.requests):
                 self.mgr.release(rid, preempted=False)

@@ -18,6 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from actors.kv.block_pool import BlockPool
+from actors.kv.blockhash import salted
 from actors.kv.checks import check_manager
 from actors.kv.errors import KVError, KVInvariantError
 from actors.kv.radix_cache import RadixCache, RadixNode
@@ -36,6 +37,7 @@ class RequestState:
     seq: int
     cached_tokens: int
     cacheable: bool = True  # False: rebuilt with blocks other requests share (adopt)
+    salt: str = ""  # its cache_salt: the cache keys its tokens with it (blockhash.salted)
 
 
 class KVManager:
@@ -84,13 +86,13 @@ class KVManager:
             block_size=self.block_size,
         )
 
-    def peek_match(self, token_ids: Sequence[int]) -> int:
+    def peek_match(self, token_ids: Sequence[int], salt: str = "") -> int:
         """Cached token count ``admit`` would reuse; no allocation, no LRU touch."""
-        return self.cache.peek(token_ids)
+        return self.cache.peek(salted(token_ids, salt))
 
-    def can_admit(self, token_ids: Sequence[int], reserve_tokens: int) -> bool:
+    def can_admit(self, token_ids: Sequence[int], reserve_tokens: int, salt: str = "") -> bool:
         """Whether ``admit`` would succeed now (same arithmetic, no change)."""
-        return self._plan(token_ids, reserve_tokens)[1] is None
+        return self._plan(salted(token_ids, salt), reserve_tokens)[1] is None
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table. Raises ``KVError`` if not running."""
@@ -164,7 +166,7 @@ class KVManager:
         return path, Refused(why, needed, free, evictable, fatal), needed
 
     def admit(
-        self, request_id: str, token_ids: Sequence[int], reserve_tokens: int
+        self, request_id: str, token_ids: Sequence[int], reserve_tokens: int, salt: str = ""
     ) -> Admitted | Refused:
         """Reserve blocks for ``reserve_tokens`` tokens (>= ``len(token_ids)``), reusing the
         longest cached prefix of ``token_ids`` (never the whole prompt).
@@ -172,10 +174,11 @@ class KVManager:
         On success the request holds one ref on every block of its table and locks its cached
         prefix; LRU cache leaves are evicted if the free list is short. On ``Refused`` nothing
         changed. Raises ``KVError`` if the request is already running or the lengths are bad.
+        ``salt``: the request's ``cache_salt``; it shares cached blocks only with its salt.
         """
         if request_id in self.requests:
             raise KVError(f"request {request_id!r} is already admitted")
-        path, refused, needed = self._plan(token_ids, reserve_tokens)
+        path, refused, needed = self._plan(salted(token_ids, salt), reserve_tokens)
         if refused is not None:
             return refused
         cache, pool = self.cache, self.pool
@@ -196,11 +199,16 @@ class KVManager:
         self._seq += 1
         cached = len(path) * self.block_size
         self.requests[request_id] = RequestState(
-            matched + new, path[-1] if path else None, self._seq, cached
+            matched + new, path[-1] if path else None, self._seq, cached, salt=salt
         )
         self.hit_tokens += cached
         self.queried_tokens += len(token_ids)
         return Admitted(matched + new, cached, evicted, new)
+
+    def disk_hit(self, request_id: str, tokens: int) -> None:
+        """``tokens`` more of the request's prompt are loaded from the disk tier (cached)."""
+        self._get(request_id).cached_tokens += tokens
+        self.hit_tokens += tokens
 
     def extend(self, request_id: str, new_total_tokens: int) -> Extended | Shortage:
         """Grow the table to hold ``new_total_tokens`` tokens (no-op if it already does),
@@ -248,7 +256,8 @@ class KVManager:
         if len(token_ids) > cap:
             raise KVError(f"{len(token_ids)} tokens exceed the request's {cap}-token table")
         cache = self.cache
-        new, last, held = cache.insert_path(token_ids, req.blocks, expect=req.lock)
+        keyed = salted(token_ids, req.salt)
+        new, last, held = cache.insert_path(keyed, req.blocks, expect=req.lock)
         old = req.lock
         if held is not None and (old is None or held.depth > old.depth):
             cache.lock(held)

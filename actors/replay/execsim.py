@@ -15,12 +15,14 @@ from typing import Any
 
 from actors.replay.loop import Loop
 from actors.replay.stepmodel import StepModel
+from actors.replay.workload import DiskModel
 from gpu.core import ExecutorCore
+from gpu.disk_io import DiskIO, DiskRead, DiskWritten
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
 from gpu.step_plan import StepBudget, StepPlan, StepShape
 from gpu.structured.grammar import Compiled
-from messages.executor import Run
+from messages.executor import DiskDrop, Run
 
 NO_LIMIT = 1 << 62  # the model's length, unknown here
 
@@ -110,12 +112,18 @@ class SimExecutor:
         out_hop_s: float,
         num_blocks: int,
         burst_wait_s: float = 0.0,
+        disk: DiskModel | None = None,
     ) -> None:
         self.loop = loop
         self.model = model
         self.out_hop_s = out_hop_s
         self.runner = ScriptedRunner(budget, block_size, num_blocks, script)
-        self.core = ExecutorCore(self.runner, lookahead_tokens, burst_wait_s, rec, loop.clock)
+        io = DiskIO(lambda blocks, payloads: None, block_size) if disk is not None else None
+        self.core = ExecutorCore(
+            self.runner, lookahead_tokens, burst_wait_s, rec, loop.clock, disk=io
+        )
+        self.disk = disk
+        self.lanes = {"read": 0.0, "write": 0.0}  # when each disk lane is next free
         self.mailbox: deque[Any] = deque()
         self.busy = False
         self.gathering = 0  # > 0 while waiting for a burst (the wait's number)
@@ -149,7 +157,27 @@ class SimExecutor:
     def _drain(self) -> None:
         while self.mailbox:
             self.core.apply(self.mailbox.popleft())
+            self._disk_work()
         self._flush()
+
+    def _disk_work(self) -> None:
+        """The disk tier's reads and writes, as the actor's worker threads do them (one read
+        and one write at a time), each block taking the recorded run's time."""
+        for work in self.core.take_disk():
+            assert self.disk is not None
+            if isinstance(work, DiskDrop):
+                continue
+            read = isinstance(work, Run)
+            n = len(work.load_keys) if isinstance(work, Run) else len(work.keys)
+            lane = "read" if read else "write"
+            start = max(self.loop.now, self.lanes[lane])
+            took = n * (self.disk.load_s if read else self.disk.write_s)
+            self.lanes[lane] = start + took
+            if isinstance(work, Run):
+                done: Any = DiskRead(work, [b""] * n, None, took)
+            else:
+                done = DiskWritten(work, [], n * self.disk.block_bytes, took)
+            self.loop.at(start + took, self.handle, done)
 
     def _flush(self) -> None:
         for peer, msg in self.core.take_outbox():

@@ -19,6 +19,7 @@ from actors.replay.stepmodel import StepModel
 from actors.replay.workload import Config, Recorded, RequestSpec
 from actors.runtime.config import options
 from actors.runtime.options import Option
+from messages.kv import DiskTier
 
 # The settings a replay can change, as paths into RuntimeConfig. Each knob's name (its flag),
 # type, allowed values and help come from the config dataclasses, as the CLI's flags do
@@ -120,6 +121,20 @@ class _Sequences:
         return self.seq[rid], self._prompt_len[rid], total, reason, -1 - self.index[rid]
 
 
+def disk_found(specs: list[RequestSpec], seqs: _Sequences, cfg: Config) -> DiskTier:
+    """The disk tier as the replay starts with it: every block a recorded admission loaded from
+    disk (its stand-in tokens' keys; blocks written during the run are written in the replay
+    too)."""
+    assert cfg.disk is not None
+    keys: dict[str, None] = {}
+    for s in specs:
+        start, n = s.disk_blocks
+        if n:
+            chain = blockhash.disk_keys(seqs.prompt(s), cfg.kv.block_size, "replay", "", start + n)
+            keys.update(dict.fromkeys(chain[start:]))
+    return DiskTier(fingerprint="replay", block_bytes=cfg.disk.block_bytes, keys=list(keys))
+
+
 def replay(
     rec: Recorded,
     model: StepModel,
@@ -150,7 +165,10 @@ def replay(
         rec.out_hop_s,
         cfg.num_blocks,
         cfg.burst_wait_ms / 1000.0,
+        cfg.disk,
     )
+    if cfg.disk is not None:  # what the recorded run found on disk: the blocks it loaded
+        kv.handle(disk_found(rec.requests, seqs, cfg))
     front = SimFrontDoor(loop, log("tokenizer"), rec.requests, seqs.prompt, rec.client_s)
     loop.handlers = {
         "scheduler": sched.handle,

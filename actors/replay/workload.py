@@ -56,6 +56,41 @@ class RequestSpec:
     cancel_after_s: float | None = None  # a cancel / disconnect, seconds after arrival
     cancel_reason: str = "cancel"
     tags: tuple[str, ...] = ()
+    # the disk tier: (first prompt block, blocks) its first admission loaded from disk
+    disk_blocks: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class DiskModel:
+    """The recorded run's disk tier (``kv.disk_tier``) and its speed, per block, as the
+    executor's ``disk_loaded`` / ``disk_written`` events measured it (medians)."""
+
+    capacity: int
+    block_bytes: int
+    load_s: float  # reading and checking one block file
+    write_s: float  # writing one
+
+
+def _disk(events: list[dict[str, Any]]) -> DiskModel | None:
+    tier = [e for e in events if e.get("event") == "kv.disk_tier"]
+    if not tier:
+        return None
+
+    def per_block(name: str, default: float) -> float:
+        rates = [
+            float(e["seconds"]) / int(e["blocks"])
+            for e in events
+            if e.get("event") == name and int(e.get("blocks", 0)) > 0
+        ]
+        return median(rates, default)
+
+    t = tier[0]
+    return DiskModel(
+        int(t["capacity"]),
+        int(t["block_bytes"]),
+        per_block("executor.disk_loaded", 0.001),
+        per_block("executor.disk_written", 0.001),
+    )
 
 
 @dataclass
@@ -65,6 +100,7 @@ class Config:
     budget: StepBudget
     num_blocks: int
     burst_wait_ms: float = 0.0  # the executor's wait for a burst at idle (0 in older logs)
+    disk: DiskModel | None = None  # the prefix cache's disk tier, when the run had one
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -121,7 +157,11 @@ def _config(events: list[dict[str, Any]], notes: list[str]) -> Config:
     )
     bnames = {f.name for f in dataclasses.fields(StepBudget)}
     budget = StepBudget(**{k: v for k, v in xc.items() if k in bnames})
-    return Config(sched, kv, budget, int(kc["num_blocks"]), float(xc.get("burst_wait_ms", 0.0)))
+    disk = _disk(events)
+    if disk is not None:
+        kv.disk_dir, kv.disk_bytes = "(replay)", disk.capacity
+    burst = float(xc.get("burst_wait_ms", 0.0))
+    return Config(sched, kv, budget, int(kc["num_blocks"]), burst, disk)
 
 
 def from_events(
@@ -175,6 +215,11 @@ def from_events(
             prompt_hashes=list(q.get("block_hashes", [])),
             tags=tuple((client_records or {}).get(client_request_id(rid), {}).get("tags", ())),
         )
+        matched = ev.get("kv_manager:prefix.matched")
+        if matched and matched[0].get("disk_tokens"):
+            bs, m = cfg.kv.block_size, matched[0]
+            disk = int(m["disk_tokens"])
+            spec.disk_blocks = ((int(m["cached_tokens"]) - disk) // bs, disk // bs)
         if fin:
             spec.outputs = max(1, int(fin[0].get("output_tokens", 1)))
             spec.finish_reason = fin[0].get("finish_reason") or "length"

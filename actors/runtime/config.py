@@ -75,6 +75,19 @@ class KVConfig:
     victim_policy: Literal["newest", "priority"] = field(
         default="newest", metadata=doc("which running request is preempted first")
     )
+    disk_dir: str = field(
+        default="",
+        metadata=doc(
+            "prefix cache's disk tier: keep cached KV blocks as files here, across restarts",
+            flag="kv-disk-dir",
+        ),
+    )
+    disk_bytes: int = field(
+        default=4 << 30,
+        metadata=doc(
+            "the disk tier's bound in bytes (least recently used files go)", flag="kv-disk-bytes"
+        ),
+    )
 
 
 @dataclass

@@ -157,6 +157,8 @@ class SchedulerActor(Actor):
         elif core.handle(msg):
             if isinstance(msg, BlocksFreed) or (isinstance(msg, AdmitResult) and msg.ok):
                 self.metrics.kv(msg.in_use, msg.num_blocks)
+                if isinstance(msg, AdmitResult):
+                    self.metrics.admitted(msg, self.cfg.kv.block_size)
             elif isinstance(msg, RequestDone):
                 self.metrics.done(msg)
         elif isinstance(msg, Completed):

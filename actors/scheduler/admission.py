@@ -92,7 +92,12 @@ class Admission:
         if cands is None:
             return False
         self.status = AdmissionState.MATCHING
-        self.state.send("kv_manager", km.MatchQuery(token_lists=[r.tokens_now() for r in cands]))
+        self.state.send(
+            "kv_manager",
+            km.MatchQuery(
+                token_lists=[r.tokens_now() for r in cands], salts=[r.cache_salt for r in cands]
+            ),
+        )
         return True
 
     def _next_admissible(self, now: float) -> SchedRequest | None:
@@ -131,6 +136,7 @@ class Admission:
             attempt=req.attempt,
             token_ids=req.tokens_now(),
             reserve_tokens=reservation(req, st.kv, st.cfg.max_preemptions),
+            cache_salt=req.cache_salt,
         )
         st.send("kv_manager", ask)
 
@@ -179,7 +185,7 @@ class Admission:
         )
         if req.abort_reason is not None:
             st.drop(req)
-        elif msg.fatal or (not st.running and not st.frees_in_flight):
+        elif msg.fatal or (not st.running and not st.frees_in_flight and not msg.pinned):
             st.fail(req, ErrorCode.TOO_LONG, f"cannot fit in the KV pool: {msg.reason}", "prompt")
         else:  # blocks will come back: wait for them, no busy loop
             req.status = Status.WAITING
@@ -188,7 +194,8 @@ class Admission:
     def _granted(self, req: SchedRequest, msg: AdmitResult) -> None:
         st = self.state
         st.queue.remove(req.request_id)
-        st.defer.admitted(req, msg.cached_tokens)
+        # a prefix loaded from disk is loaded once: the others wait to find it in the pool
+        st.defer.admitted(req, msg.cached_tokens - len(msg.load_keys) * st.kv.block_size)
         st.mark_admitted(req)
         req.status = Status.RUNNING
         req.block_table = list(msg.block_table)
@@ -213,6 +220,8 @@ class Admission:
             cached_tokens=msg.cached_tokens,
             output_offset=len(req.output_ids),
             grammar=req.grammar,
+            load_blocks=msg.load_blocks,
+            load_keys=msg.load_keys,
         )
         st.send("executor", run)
         admitted = tm.RequestAdmitted(
@@ -226,7 +235,8 @@ class Admission:
     def blocks_freed(self, msg: BlocksFreed) -> None:
         """Blocks came back (the answer to every finish/release): a parked admission retries."""
         st = self.state
-        st.frees_in_flight = max(0, st.frees_in_flight - 1)
+        if msg.answer:
+            st.frees_in_flight = max(0, st.frees_in_flight - 1)
         if self.status is AdmissionState.BLOCKED:
             st.log.debug("admission.retry", free=msg.free, evictable=msg.evictable)
             self.status = AdmissionState.OPEN

@@ -80,10 +80,20 @@ class CoreState:
         params: SamplingParams,
         arrival: float,
         grammar: str = "",
+        cache_salt: str = "",
     ) -> SchedRequest:
         """A new live request (the next in arrival order), queued nowhere yet."""
         self._seq += 1
-        req = SchedRequest(rid, prompt, params, arrival, self.clock(), self._seq, grammar=grammar)
+        req = SchedRequest(
+            rid,
+            prompt,
+            params,
+            arrival,
+            self.clock(),
+            self._seq,
+            grammar=grammar,
+            cache_salt=cache_salt,
+        )
         self.requests[rid] = req
         return req
 

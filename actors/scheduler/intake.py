@@ -66,7 +66,7 @@ class Intake:
             )
             st.send("tokenizer", full)
             return
-        req = st.track(rid, msg.prompt_ids, msg.params, msg.arrival, msg.grammar)
+        req = st.track(rid, msg.prompt_ids, msg.params, msg.arrival, msg.grammar, msg.cache_salt)
         req.output_ids = list(msg.output_ids)
         if msg.resume_reason:
             st.log.info(

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from messages.scheduler import Completed, RequestDone
+from messages.scheduler import AdmitResult, Completed, RequestDone
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -57,6 +57,13 @@ class Metrics:
         self.prefix_queries = Counter(
             "minirt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
         )
+        # hits by tier: the pool's and the disk tier's (--kv-disk-dir) prompt tokens, at admission
+        self.tier_hits = Counter(
+            "minirt:prefix_cache_hits_by_tier",
+            "Prompt tokens found cached at admission, by tier (pool, disk)",
+            ["tier"],
+            registry=r,
+        )
         # speculative decoding, vLLM V1's counters (counted when a request leaves the executor)
         self.spec_drafts = Counter(
             "minirt:spec_decode_num_drafts", "Steps in which a request verified drafts", registry=r
@@ -91,6 +98,11 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def admitted(self, msg: AdmitResult, block_size: int) -> None:
+        disk = len(msg.load_keys) * block_size
+        self.tier_hits.labels(tier="pool").inc(msg.cached_tokens - disk)
+        self.tier_hits.labels(tier="disk").inc(disk)
 
     def done(self, msg: RequestDone) -> None:
         """An attempt ended at the executor: its speculative decoding, counted."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from actors.scheduler.state import SchedRequest, Status
 
-Key = tuple[int, ...]
+Key = tuple[str | int, ...]
 
 
 class PrefixDeferral:
@@ -27,7 +27,7 @@ class PrefixDeferral:
         tokens = req.tokens_now()
         if not self.tokens or len(tokens) <= self.tokens:
             return None
-        return tuple(tokens[: self.tokens])
+        return (req.cache_salt, *tokens[: self.tokens])  # one salt's prefix is not another's
 
     def owner_for(self, req: SchedRequest) -> str | None:
         """The request computing ``req``'s prefix right now, if any (then ``req`` should wait)."""
@@ -41,7 +41,8 @@ class PrefixDeferral:
         self.held.setdefault(key, []).append(req)
 
     def admitted(self, req: SchedRequest, cached_tokens: int) -> None:
-        """``req`` got its blocks; unless its prefix was already cached it now computes it."""
+        """``req`` got its blocks; unless its prefix was already cached in the pool
+        (``cached_tokens``: the pool's part) it now computes it, or loads it from disk."""
         key = self._key(req)
         if key is not None and cached_tokens < self.tokens and key not in self.owners:
             self.owners[key] = req.request_id

@@ -93,11 +93,13 @@ class Reconcile:
                 n["ended"] += 1  # its last token is on its way to the front door
                 continue
             if done is not None and done.status == "error":
-                req = st.track(rid, list(s.prompt_ids), s.params, s.arrival, s.grammar)
+                req = st.track(
+                    rid, list(s.prompt_ids), s.params, s.arrival, s.grammar, s.cache_salt
+                )
                 st.fail(req, ErrorCode.INVALID, done.message, done.field)
                 n["ended"] += 1
                 continue
-            req = st.track(rid, list(s.prompt_ids), s.params, s.arrival, s.grammar)
+            req = st.track(rid, list(s.prompt_ids), s.params, s.arrival, s.grammar, s.cache_salt)
             req.output_ids, req.attempt = list(s.output_ids), last
             st.queue.push(req)
             n["queued"] += 1
@@ -117,7 +119,9 @@ class Reconcile:
     def _adopt(self, s: Submit, attempt: int, output_offset: int, table: list[int]) -> None:
         """A request running in the executor, as the dead scheduler had it."""
         st = self.state
-        req = st.track(s.request_id, list(s.prompt_ids), s.params, s.arrival, s.grammar)
+        req = st.track(
+            s.request_id, list(s.prompt_ids), s.params, s.arrival, s.grammar, s.cache_salt
+        )
         req.attempt, req.status = attempt, Status.RUNNING
         req.output_ids = list(s.output_ids[:output_offset])  # the earlier attempts' outputs
         req.block_table = list(table)

@@ -43,6 +43,7 @@ class SchedRequest:
     abort_reason: str | None = None  # set when an abort arrives while an answer is pending
     queue_s: float = 0.0
     grammar: str = ""  # params.structured as the front door compiled it (Submit.grammar)
+    cache_salt: str = ""  # Submit.cache_salt: shares cached KV only with this salt
 
     @property
     def priority(self) -> int:

@@ -195,6 +195,7 @@ def _generate_error(rt, **kwargs) -> RequestError:
         (dict(prompt="x " * 5000), "prompt"),
         (dict(prompt_ids=[1] * 1000, max_tokens=100), "params.max_tokens"),
         (dict(prompt="hi", stop=[""]), "stop"),
+        (dict(prompt="hi", cache_salt="s" * 257), "cache_salt"),
         (dict(messages=[]), "messages"),
         (dict(prompt_ids=[1, 2], presence_penalty=2.5), "params.presence_penalty"),
         (dict(prompt_ids=[1, 2], repetition_penalty=0.0), "params.repetition_penalty"),

@@ -151,7 +151,9 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
     # only one runs at a time (about a second each) and the others are refused for lack of blocks.
     # One torch thread: on two cores the executor's two would starve the browser, whose page then
     # lags the server by more than a request's life.
-    flags = ("--num-blocks", "64", "--kv-mode", "full", "--threads", "1")
+    # A disk tier too: its panel line shows the KV manager's bytes.
+    disk = ("--kv-disk-dir", str(tmp_path / "disk"))
+    flags = ("--num-blocks", "64", "--kv-mode", "full", "--threads", "1", *disk)
     with start_http_runtime(tiny_model, run_dir, *flags, api_key=key) as hr:
         rt = hr.rt
         async with trio.open_nursery() as nursery:
@@ -240,6 +242,7 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
                 s.cached_only,
             ), (kv, s)
             assert s.in_use == 0 and s.cached_only > 0 and int(kv["total"]) == s.num_blocks == 64
+            assert int(kv["diskBytes"]) == s.disk_bytes > 0, (kv, s)
 
             # a click opens the request's life, with every refusal it waited on
             await _dom(drv, "document.querySelector('tr[data-client-id=\"dash-c\"]').click()")

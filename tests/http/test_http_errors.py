@@ -50,6 +50,8 @@ BAD = [
     (COMP, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", None),
     (COMP, {"prompt": "x", "logit_bias": {"3": 500}}, "logit_bias", None),
     (COMP, {"prompt": "x", "stop": ["s"] * 17}, "stop", None),
+    (COMP, {"prompt": "x", "cache_salt": ""}, "cache_salt", None),
+    (COMP, {"prompt": "x", "cache_salt": "s" * 257}, "cache_salt", None),
     (COMP, {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", None),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
     (COMP, {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type", None),

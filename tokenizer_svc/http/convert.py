@@ -181,7 +181,12 @@ def _choices(
         for i in range(req.n):
             index = p * req.n + i
             seed = None if req.seed is None else (req.seed + i) % 2**63
-            gen = Generate(params=SamplingParams(**kw, seed=seed), stop=stops, **prompt)
+            gen = Generate(
+                params=SamplingParams(**kw, seed=seed),
+                stop=stops,
+                cache_salt=req.cache_salt or "",
+                **prompt,
+            )
             choices.append(ChoiceSpec(index, p, gen, where))
     ids_of = [rid] if len(choices) == 1 else [f"{rid}-{c.index}" for c in choices]
     for c, cid in zip(choices, ids_of, strict=True):

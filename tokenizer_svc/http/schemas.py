@@ -56,6 +56,7 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: KV sharing scope
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

@@ -112,6 +112,13 @@
       ? `<span class="k inuse">in use ${s.inUse}</span> · <span class="k cached">cached-only ${s.cachedOnly}</span> · <span class="k free">free ${s.free}</span> of ${s.total}`
       : `<span class="k held">held ${s.held}</span> (in use + cached) · <span class="k free">free ${s.free}</span> of ${s.total}`;
     el.innerHTML += ` · <span class="k evict">▮ eviction</span> <span class="k preempt">▼ preemption</span>`;
+    const d = m.disk;
+    if (d) {
+      const mb = (b) => (b / 1048576).toFixed(1) + " MiB";
+      el.dataset.diskBytes = d.bytes; el.dataset.diskLoadedTokens = d.loadedTokens;
+      el.innerHTML += ` · <span class="k disk">disk ${mb(d.bytes)} of ${mb(d.capacity)}, ` +
+        `${d.loadedTokens} prompt tokens loaded${d.bad ? `, ${d.bad} bad files dropped` : ""}</span>`;
+    }
   };
 
   MR.renderHitNow = function (m) {

@@ -60,6 +60,11 @@
     if (k.inUse !== null) k.inUse = 0;
     this.kvSample(ts, e);
   };
+  P.kvDiskTier = function (e) {
+    this.disk = { capacity: Number(e.capacity) || 0, bytes: Number(e.bytes) || 0, loadedTokens: 0, bad: 0 };
+  };
+  P.kvDisk = function (e) { if (this.disk && e.disk_bytes !== undefined) this.disk.bytes = Number(e.disk_bytes); };
+  P.kvDiskDropped = function (e) { if (this.disk) this.disk.bad += Number(e.blocks) || 0; };
   P.step = function (e, r, ts) {
     this.steps.push({ ts, step: e.step, requests: Number(e.requests) || 0,
       prefill: Number(e.prefill_tokens) || 0, decode: Number(e.decode_tokens) || 0,

@@ -30,6 +30,11 @@
     "kv.released": "kvReleased",
     "kv.shortage": "kvShortage",
     "kv.reset": "kvReset",
+    "kv.disk_tier": "kvDiskTier",           // its disk tier (--kv-disk-dir)
+    "kv.disk_spill": "kvDisk",
+    "kv.disk_saved": "kvDisk",
+    "kv.disk_evicted": "kvDisk",
+    "kv.disk_dropped": "kvDiskDropped",
     "executor.config": "execConfig",        // executor
     "executor.running": "running",
     "executor.prefill_done": "prefillDone",
@@ -82,6 +87,7 @@
       this.marks = new Ring(c.marks);   // evictions and preemptions, for the KV chart
       this.hits = new Ring(c.hits);     // one per admission: cached vs prompt tokens
       this.tail = new Ring(c.tail);     // the latest raw events
+      this.disk = null;                 // the disk tier: {capacity, bytes, loadedTokens, bad}
       this.kv = new Map();              // replica -> {total, blockSize, free, inUse, cachedOnly}
       this.config = {};
       this.sched = { running: 0, waiting: 0 };
@@ -222,7 +228,10 @@
       this.hits.push({ ts, rid: r.rid, cached: r.cached, prompt: r.admitPrompt,
         rate: this.queriedTokens ? this.hitTokens / this.queriedTokens : 0 });
     }
-    prefixMatched(e, r) { if (r && r.cached === null) r.cached = Number(e.cached_tokens) || 0; }
+    prefixMatched(e, r) {
+      if (r && r.cached === null) r.cached = Number(e.cached_tokens) || 0;
+      if (this.disk && e.disk_tokens) this.disk.loadedTokens += Number(e.disk_tokens) || 0;
+    }
     running(e, r, ts) {
       if (!r) return;
       if (r.prompt === null && e.prompt_tokens !== undefined) r.prompt = Number(e.prompt_tokens) - r.generated;

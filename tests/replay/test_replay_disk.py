@@ -1,0 +1,57 @@
+"""The replay of a run that loaded prefixes from the disk tier: the recorded run (after a
+restart, its prompts' prefixes on disk) is replayed with the same disk hits, loads that take the
+recorded time per block, and the same admission decisions; the replay without the tier computes
+those prefixes instead and predicts later first tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import trio
+
+from actors.client import open_client
+from actors.replay import sim, stepmodel, workload
+from tests.support.runtime import start_runtime
+
+BS = 16
+
+
+async def _serve(rt, prompts) -> None:
+    async with open_client(rt.endpoint) as client:
+        with trio.fail_after(120):
+            for p in prompts:
+                await client.generate(prompt_ids=p, max_tokens=4, temperature=0)
+
+
+def test_a_run_that_loaded_from_disk_replays_with_its_loads(tiny_model, tmp_path):
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 500) for _ in range(600)] for _ in range(3)]
+    flags = ("--num-blocks", "256", "--kv-disk-dir", str(tmp_path / "disk"))
+    with start_runtime(tiny_model, tmp_path / "run1", *flags) as rt:
+        trio.run(_serve, rt, prompts)
+    with start_runtime(tiny_model, tmp_path / "run2", *flags) as rt:
+        trio.run(_serve, rt, [*prompts, [rng.randrange(3, 500) for _ in range(600)]])
+    rec = workload.load(tmp_path / "run2")
+    assert rec.config.disk is not None and rec.config.disk.load_s > 0
+    assert [s.disk_blocks for s in rec.requests] == [(0, 37)] * 3 + [(0, 0)]
+    model = stepmodel.fit(rec.steps)
+    res = sim.replay(rec, model)
+    assert res.decisions() == rec.decisions
+
+    def disk_tokens(events) -> list[int]:
+        return [e.get("disk_tokens", 0) for e in events if e.get("event") == "prefix.matched"]
+
+    recorded = workload.read_events(tmp_path / "run2")
+    assert disk_tokens(res.events) == disk_tokens(recorded) == [37 * BS] * 3
+    loads = [e for e in res.events if e.get("event") == "executor.disk_loaded"]
+    assert len(loads) == 3
+    assert all(e["seconds"] == pytest.approx(37 * rec.config.disk.load_s, abs=1e-6) for e in loads)
+    # without the tier, the replay computes those prompts: their first tokens come later
+    bare = dataclasses.replace(rec, config=dataclasses.replace(rec.config, disk=None))
+    bare.config.kv = dataclasses.replace(rec.config.kv, disk_dir="")
+    computed = sim.replay(bare, model)
+    assert not [e for e in computed.events if e.get("event") == "executor.disk_loaded"]
+    ttft = lambda r: sum(x["ttft_s"] for x in r.records[:3])  # noqa: E731
+    assert ttft(computed) > ttft(res)
