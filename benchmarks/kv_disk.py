@@ -242,6 +242,12 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
         )
     lines += [
         "",
+        "One at a time, three of each prompt's four questions find the prefix in the pool in "
+        "both runs (the median is one of them): what the tier changes is each prompt's first "
+        "question. All at once, the cold run computes the 8 prefixes in one burst and every "
+        "request waits for it; the warm run reads each prefix once (the other questions wait "
+        "for it, then find it in the pool), one read at a time, beside the steps.",
+        "",
         "## A pool that holds about 2 of the 8 prefixes",
         "",
         f"`--num-blocks {r['pool_blocks']}`; the 32 requests one at a time, cycling through the "
