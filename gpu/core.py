@@ -81,6 +81,7 @@ class ExecutorCore:
         self.flight: dict[str, Flight] = {}
         self.builds = MatcherBuilds(grammars) if grammars is not None else None
         self.disk = disk  # the disk tier's loads and writes (--kv-disk-dir), else None
+        self.prefill_s = 0.0  # recent prefill steps' seconds per token (what a load saves)
         self.outbox: list[Outgoing] = []
         self.more_coming = False  # the last run said another is being admitted behind it
         self.steps = 0
@@ -180,6 +181,11 @@ class ExecutorCore:
                 seconds=round(msg.seconds, 6),
                 cached_tokens=run.cached_tokens,
             )
+            if msg.payloads:  # what a block costs read here, against computed
+                rates = kv.DiskRates(
+                    load_s=msg.seconds / len(msg.payloads), prefill_s=self.prefill_s
+                )
+                self.send("kv_manager", rates)
             if msg.bad is not None:
                 key, why = msg.bad
                 self.log.warning(
@@ -325,6 +331,9 @@ class ExecutorCore:
             self.send(peer, msg)
         if not result.num_requests:
             return
+        if result.num_prefill_tokens >= 64:  # a prefill step: its cost per token
+            rate = result.forward_s / (result.num_prefill_tokens + result.num_decode_tokens)
+            self.prefill_s = rate if not self.prefill_s else 0.7 * self.prefill_s + 0.3 * rate
         self.steps += 1
         self.log.info(
             "executor.step",

@@ -139,6 +139,15 @@ class DiskSaved(Msg, tag="kv_disk_saved"):
     failed: list[str] = []
 
 
+class DiskRates(Msg, tag="kv_disk_rates"):
+    """Executor -> KV manager (after each load): what a block costs here, read from disk
+    (``load_s``, the last load's seconds per block) against computed (``prefill_s``: seconds
+    per prompt token of its recent prefill steps; 0 until it has one)."""
+
+    load_s: float
+    prefill_s: float = 0.0
+
+
 class DiskDropped(Msg, tag="kv_disk_dropped"):
     """Executor -> KV: these block files were missing or failed their check at load (deleted;
     their tokens were recomputed)."""
@@ -162,5 +171,6 @@ KVInbound = (
     | DiskTier
     | DiskSaved
     | DiskDropped
+    | DiskRates
     | Reconcile
 )

@@ -79,6 +79,7 @@ class BlocksFreed(Msg, tag="freed"):
     num_blocks: int = 0
     # False: not the answer to a finish/release, but blocks unpinned by a disk-tier write
     answer: bool = True
+    disk_bytes: int = 0  # the disk tier's bytes now (for metrics)
 
 
 class RequestDone(Msg, tag="done"):

@@ -223,6 +223,7 @@ class KVCore(RebuildMixin):
             in_use=s.in_use,
             num_blocks=s.num_blocks,
             answer=answer,
+            disk_bytes=tier.bytes if (tier := self.disk.tier) is not None else 0,
         )
         self.outbox.append(("scheduler", freed_msg))
 
@@ -266,6 +267,8 @@ class KVCore(RebuildMixin):
                 self._unpinned()
         elif isinstance(msg, km.DiskDropped):
             self.disk.dropped(msg)
+        elif isinstance(msg, km.DiskRates):
+            self.disk.rates(msg)
         elif self.rebuilding is not None and not isinstance(msg, (km.MatchQuery, km.StatsQuery)):
             self.rebuilding.deferred.append(msg)  # after the rebuild
         elif isinstance(msg, km.Admit):
@@ -298,9 +301,11 @@ class KVCore(RebuildMixin):
 
     def match(self, msg: km.MatchQuery) -> km.MatchReply:
         salts = msg.salts or [""] * len(msg.token_lists)
+        mgr = self.mgr
         return km.MatchReply(
             cached_tokens=[
-                self.mgr.peek_match(t, s) for t, s in zip(msg.token_lists, salts, strict=False)
+                mgr.peek_match(t, s) + self.disk.peek(mgr, t, s)
+                for t, s in zip(msg.token_lists, salts, strict=False)
             ]
         )
 

@@ -10,9 +10,16 @@ Composed into ``KVCore`` (``core.disk``); inert until the executor announces its
   (``executor.DiskSave``), least recently used files deleted first to stay within the bound
   (``executor.DiskDrop``); the written blocks stay pinned in the pool (a lock on the deepest)
   until the executor answers (``kv_disk_saved``);
-- files the executor found bad (``kv_disk_dropped``) leave the index.
+- files the executor found bad (``kv_disk_dropped``) leave the index;
+- whether a load pays (``pays``): a disk hit is cheaper than recomputing, not free. The executor
+  reports what a block costs it read (``kv_disk_rates``: the last load's seconds per block) and
+  computed (its recent prefill seconds per token); a hit whose read would cost more than
+  computing its tokens is computed instead (never on this project's CPUs: reading a block takes
+  ~1 ms, computing its 16 tokens ~20 ms; it can on a fast GPU with a slow disk), and the
+  policies' prefix queries (``kv_match``) count a disk hit at the share of its compute it saves.
 
-Events: kv.disk_tier, kv.disk_spill, kv.disk_saved, kv.disk_evicted, kv.disk_dropped.
+Events: kv.disk_tier, kv.disk_spill, kv.disk_saved, kv.disk_evicted, kv.disk_dropped,
+kv.disk_skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class DiskControl:
         self.log = log
         self.send = send
         self.tier: DiskTier | None = None
+        self.load_s = 0.0  # seconds to read one block, as the executor last measured (0: unknown)
+        self.prefill_s = 0.0  # seconds to compute one prompt token there (0: unknown)
 
     def announce(self, msg: km.DiskTier) -> None:
         """The executor's tier, as found on disk (at its start, or to this restarted manager)."""
@@ -51,6 +60,28 @@ class DiskControl:
             block_bytes=tier.block_bytes,
         )
         self._drop(drop)
+
+    def rates(self, msg: km.DiskRates) -> None:
+        self.load_s = msg.load_s
+        if msg.prefill_s > 0:
+            self.prefill_s = msg.prefill_s
+
+    def saving(self, block_size: int) -> float:
+        """The share of a block's compute that loading it saves (1.0 until measured; 0 when
+        reading it costs more than computing it)."""
+        if not (self.load_s and self.prefill_s):
+            return 1.0
+        return max(0.0, 1.0 - self.load_s / (self.prefill_s * block_size))
+
+    def peek(self, mgr: KVManager, token_ids: Sequence[int], salt: str) -> int:
+        """Tokens a ``kv_match`` counts for the disk tier after the pool's cached prefix: its
+        consecutive hits, at the share of their compute a load saves. No change."""
+        tier = self.tier
+        if tier is None:
+            return 0
+        pool = mgr.peek_match(token_ids, salt) // mgr.block_size
+        keys = self.keys(mgr, token_ids, salt, mgr.cache.max_match_blocks(len(token_ids)))
+        return int(tier.peek(keys, pool) * mgr.block_size * self.saving(mgr.block_size))
 
     def reset(self) -> None:
         """The executor died: its saves in flight are lost (it announces the tier again)."""
@@ -72,6 +103,15 @@ class DiskControl:
         start = cached // mgr.block_size
         n = tier.hits(keys, start)
         if not n:
+            return [], []
+        if not self.saving(mgr.block_size):
+            self.log.info(
+                "kv.disk_skipped",
+                request_id=rid,
+                blocks=n,
+                load_s=self.load_s,
+                compute_s=round(self.prefill_s * mgr.block_size, 6),
+            )
             return [], []
         tier.hit_tokens += n * mgr.block_size
         tier.loaded_blocks += n

@@ -75,6 +75,13 @@ class DiskTier:
         self.touch(keys[: start + n])
         return n
 
+    def peek(self, keys: Sequence[str], start: int) -> int:
+        """``hits`` without touching anything."""
+        n = 0
+        while start + n < len(keys) and keys[start + n] in self.files:
+            n += 1
+        return n
+
     def touch(self, keys: Sequence[str]) -> None:
         files = self.files
         for k in keys:

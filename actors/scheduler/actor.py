@@ -159,6 +159,8 @@ class SchedulerActor(Actor):
                 self.metrics.kv(msg.in_use, msg.num_blocks)
                 if isinstance(msg, AdmitResult):
                     self.metrics.admitted(msg, self.cfg.kv.block_size)
+                else:
+                    self.metrics.disk(msg.disk_bytes)
             elif isinstance(msg, RequestDone):
                 self.metrics.done(msg)
         elif isinstance(msg, Completed):

@@ -57,6 +57,11 @@ class Metrics:
         self.prefix_queries = Counter(
             "minirt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
         )
+        self.disk_bytes = Gauge(
+            "minirt:kv_disk_bytes",
+            "Bytes of the prefix cache's disk tier (--kv-disk-dir), writes in flight included",
+            registry=r,
+        )
         # hits by tier: the pool's and the disk tier's (--kv-disk-dir) prompt tokens, at admission
         self.tier_hits = Counter(
             "minirt:prefix_cache_hits_by_tier",
@@ -129,6 +134,9 @@ class Metrics:
     def kv(self, in_use: int, num_blocks: int) -> None:
         if num_blocks:
             self.kv_usage.set(in_use / num_blocks)
+
+    def disk(self, nbytes: int) -> None:
+        self.disk_bytes.set(nbytes)
 
     def render(self) -> bytes:
         now = self._preempt_src()

@@ -88,6 +88,7 @@ async def test_restart_loads_from_disk_exactly(tiny_model, tmp_path):
     assert len(loads) == len(prompts) and all(e["blocks"] > 0 for e in loads)
     disk_hits = f'minirt:prefix_cache_hits_by_tier_total{{tier="disk"}} {float(s.disk_hit_tokens)}'
     assert disk_hits in metrics
+    assert f"minirt:kv_disk_bytes {float(s.disk_bytes)}" in metrics
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])

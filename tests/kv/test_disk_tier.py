@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from actors.kv.core import KVCore
 from actors.kv.disk_tier import DiskTier
@@ -153,3 +154,28 @@ def test_one_live_instance_per_directory(tmp_path):
         DiskStore.open(tmp_path, "ab" * 16)
     first.close()
     DiskStore.open(tmp_path, "ab" * 16).close()  # released with its holder
+
+
+def test_a_load_that_costs_more_than_computing_is_computed():
+    core = _core()
+    prompt = list(range(1, 15))
+    _admit(core, "a", prompt)
+    core.handle(km.Finish("a", 1, prompt))
+    [save] = _out(core, xm.DiskSave)
+    core.handle(km.DiskSaved(save.save_id, save.keys))
+    core.mgr.evict(3)
+    ask = km.MatchQuery(token_lists=[prompt])
+    assert core.handle(ask).cached_tokens == [12]  # unmeasured: a hit counts in full
+    # reading a block costs a quarter of computing its 4 tokens: a hit saves 3/4 of them
+    core.handle(km.DiskRates(load_s=0.001, prefill_s=0.001))
+    assert core.handle(ask).cached_tokens == [9]
+    assert _admit(core, "b", prompt).load_keys == save.keys
+    core.handle(km.Release("b", 1))
+    core.take_outbox()
+    # a disk slower than the compute: the prefix is computed, and the queries count nothing
+    core.handle(km.DiskRates(load_s=0.01, prefill_s=0.001))
+    assert core.handle(ask).cached_tokens == [0]
+    with capture_logs() as logs:
+        res = _admit(core, "c", prompt)
+    assert res.cached_tokens == 0 and not res.load_keys
+    assert [e["blocks"] for e in logs if e["event"] == "kv.disk_skipped"] == [3]
