@@ -4,7 +4,9 @@ forward is replaced: a step plans with the real ``plan_step``, takes as long as 
 step-time model says, and each request produces the tokens its replayed sequence holds,
 finishing after as many tokens as it produced in the recorded run. The loop around them is the
 actor's (``gpu/actor.py``) on the virtual clock: drain the mailbox into the core, wait for a
-burst when the core says so, step, send the core's outbox."""
+burst when the core says so, step, send the core's outbox. A request that speculated in the
+recording verifies, in its decode steps, the drafts of its recorded verifying steps, in order,
+and emits the accepted ones too; the draft rows count in the step's predicted time."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from gpu.core import ExecutorCore
 from gpu.disk_io import DiskIO, DiskRead, DiskWritten
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
+from gpu.spec.verify import SpecStats
 from gpu.step_plan import StepBudget, StepPlan, StepShape
 from gpu.structured.grammar import Compiled
 from messages.executor import DiskDrop, Run
@@ -35,12 +38,20 @@ class ScriptedRunner:
     step planning, its forward replaced by each request's script."""
 
     def __init__(
-        self, budget: StepBudget, block_size: int, num_blocks: int, script: Callable[[str], Script]
+        self,
+        budget: StepBudget,
+        block_size: int,
+        num_blocks: int,
+        script: Callable[[str], Script],
+        spec: Callable[[str], list[tuple[int, int]]] = lambda rid: [],
     ) -> None:
         # (the recorded outputs already end where the model's length ended them)
         self.requests = RequestTable(budget, block_size, num_blocks, NO_LIMIT)
         self.script = script  # request id -> what it generates and when it finishes
         self.scripts: dict[str, Script] = {}
+        self.block_size = block_size
+        self.spec = spec  # request id -> its recorded verifying steps: (drafts, accepted)
+        self.verifying: dict[str, deque[tuple[int, int]]] = {}
 
     def start(self, run: Run, grammar: Compiled | None) -> None:
         self.requests.add(
@@ -56,20 +67,52 @@ class ScriptedRunner:
             )
         )
         self.scripts[run.request_id] = self.script(run.request_id)
+        if run.request_id not in self.verifying:  # (a new attempt goes on where it was)
+            self.verifying[run.request_id] = deque(self.spec(run.request_id))
 
     def plan(self) -> StepPlan | None:
         return self.requests.plan() if self.requests.has_work() else None
 
-    def finish(self, plan: StepPlan, shape: StepShape, dt: float) -> StepResult:
+    def drafts(self, plan: StepPlan) -> dict[str, tuple[int, int]]:
+        """The step's speculation: each decode's next recorded (drafts, accepted), as many
+        drafts as its blocks have room for."""
+        out = {}
+        for r in plan.decodes:
+            left = self.verifying.get(r.rid)
+            if left:
+                d, a = left.popleft()
+                d = min(d, len(r.table) * self.block_size - r.computed - 1)
+                if d > 0:
+                    out[r.rid] = (d, min(a, d))
+        return out
+
+    def finish(
+        self,
+        plan: StepPlan,
+        shape: StepShape,
+        dt: float,
+        drafts: dict[str, tuple[int, int]] | None = None,
+    ) -> StepResult:
         """What the step ``plan`` (of ``shape``) produced after ``dt`` seconds: each sampling
-        request's next token from its script."""
+        request's next token from its script (and the drafts it accepted, ``drafts``)."""
+        drafts = drafts or {}
         sampling = [*plan.decodes, *plan.completing()]
         for r in plan.decodes:
-            r.computed += 1
+            r.computed += 1 + drafts.get(r.rid, (0, 0))[1]
         for r, c in plan.chunks:
             r.computed += c
+        outputs = []
+        stats = SpecStats() if drafts else None
+        for r in sampling:
+            d, a = drafts.get(r.rid, (0, 0))
+            if stats is not None and d:
+                stats.add(r.rid, d, a)
+            for _ in range(1 + a):
+                outputs.append(self._produce(r))
+                if r.rid not in self.scripts:
+                    break  # it finished
         return StepResult(
-            [self._produce(r) for r in sampling],
+            outputs,
             shape.prefill_tokens,
             shape.decodes,
             shape.decodes + shape.chunks,
@@ -78,6 +121,7 @@ class ScriptedRunner:
             dt,
             decode_ctx=shape.decode_ctx,
             prefill_ctx=shape.prefill_ctx,
+            spec=stats,
         )
 
     def _produce(self, req: RequestState) -> TokenOutput:
@@ -92,6 +136,7 @@ class ScriptedRunner:
         if finish is not None:
             self.requests.abort(rid)
             del self.scripts[rid]
+            self.verifying.pop(rid, None)
         elif first:
             self.requests.decodes(req)
         return TokenOutput(rid, tok, None, None, finish, first, len(req.prompt) - req.prior, n_out)
@@ -113,14 +158,22 @@ class SimExecutor:
         num_blocks: int,
         burst_wait_s: float = 0.0,
         disk: DiskModel | None = None,
+        spec: Callable[[str], list[tuple[int, int]]] = lambda rid: [],
+        draft_tokens: int = 0,
     ) -> None:
         self.loop = loop
         self.model = model
         self.out_hop_s = out_hop_s
-        self.runner = ScriptedRunner(budget, block_size, num_blocks, script)
+        self.runner = ScriptedRunner(budget, block_size, num_blocks, script, spec)
         io = DiskIO(lambda blocks, payloads: None, block_size) if disk is not None else None
         self.core = ExecutorCore(
-            self.runner, lookahead_tokens, burst_wait_s, rec, loop.clock, disk=io
+            self.runner,
+            lookahead_tokens,
+            burst_wait_s,
+            rec,
+            loop.clock,
+            draft_tokens=draft_tokens,
+            disk=io,
         )
         self.disk = disk
         self.lanes = {"read": 0.0, "write": 0.0}  # when each disk lane is next free
@@ -205,14 +258,22 @@ class SimExecutor:
             self.busy = False  # idle, or every decode waits for a block: the next message wakes us
             return
         shape = plan.shape()
+        drafts = self.runner.drafts(plan)
         dt = self.model.predict(
-            shape.prefill_tokens, shape.decodes, shape.chunks, shape.decode_ctx, shape.prefill_ctx
+            shape.prefill_tokens,
+            shape.decodes,
+            shape.chunks,
+            shape.decode_ctx,
+            shape.prefill_ctx,
+            sum(d for d, _ in drafts.values()),
         )
         self.core.planned([r.rid for r in plan.completing()])
         self._flush()
-        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, shape, dt)
+        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, shape, dt, drafts)
 
-    def _step_done(self, plan: StepPlan, shape: StepShape, dt: float) -> None:
-        self.core.stepped(self.runner.finish(plan, shape, dt), dt, 0.0)
+    def _step_done(
+        self, plan: StepPlan, shape: StepShape, dt: float, drafts: dict[str, tuple[int, int]]
+    ) -> None:
+        self.core.stepped(self.runner.finish(plan, shape, dt, drafts), dt, 0.0)
         self._flush()
         self._iterate()

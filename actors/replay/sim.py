@@ -94,6 +94,7 @@ class _Sequences:
         self.seq: dict[str, list[int]] = {}
         self.index: dict[str, int] = {}
         self.goal: dict[str, tuple[int, str]] = {}
+        self.verified: dict[str, list[tuple[int, int]]] = {}
         for s in specs:
             full = s.prompt_tokens // block_size
             hashes = s.prompt_hashes[:full]
@@ -106,6 +107,7 @@ class _Sequences:
                 seq.extend(blockhash.filler(s.index, s.prompt_tokens - len(seq)))
             self.seq[s.rid] = seq
             self.index[s.rid] = s.index
+            self.verified[s.rid] = list(s.spec)
             self.goal[s.rid] = (
                 s.outputs,
                 s.finish_reason if s.finish_reason != "abort" else "length",
@@ -114,6 +116,10 @@ class _Sequences:
 
     def prompt(self, spec: RequestSpec) -> list[int]:
         return self.seq[spec.rid][: spec.prompt_tokens]
+
+    def spec(self, rid: str) -> list[tuple[int, int]]:
+        """The recorded speculation of ``rid``: (drafts, accepted) of each verifying step."""
+        return self.verified.get(rid, [])
 
     def script(self, rid: str) -> Script:
         """What the simulated executor needs to generate ``rid``'s tokens and finish it."""
@@ -166,6 +172,8 @@ def replay(
         cfg.num_blocks,
         cfg.burst_wait_ms / 1000.0,
         cfg.disk,
+        seqs.spec,
+        max((d for s in rec.requests for d, _ in s.spec), default=0),
     )
     if cfg.disk is not None:  # what the recorded run found on disk: the blocks it loaded
         kv.handle(disk_found(rec.requests, seqs, cfg))

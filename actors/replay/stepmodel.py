@@ -4,11 +4,12 @@ One executor cycle (``step_s + control_s``: planning, the forward, sampling, pub
 modelled as a linear function of the step's shape:
 
     t = c0 + c1 * prefill_tokens + c2 * decode_tokens + c3 * prefill_chunks
-           + c4 * decode_ctx + c5 * prefill_ctx
+           + c4 * decode_ctx + c5 * prefill_ctx + c6 * spec_draft_tokens
 
 ``decode_ctx`` is the sum of the decodes' context lengths (keys read by decode attention) and
 ``prefill_ctx`` the sum over prefill chunks of ``chunk * (start + chunk)`` (query-key pairs of
-prefill attention); logs without those fields are fitted without them. Non-negative least
+prefill attention); logs without those fields are fitted without them. ``spec_draft_tokens``:
+the draft rows speculative decoding verified in the step (0 without speculation). Non-negative least
 squares (every coefficient >= 0, Lawson-Hanson), reweighted on relative residuals (Huber) so
 that outlying steps (a kernel built on first use, the machine busy with something else) count
 less; steps past 5 robust deviations are reported as outliers. The typical step of each shape is then
@@ -27,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("prefill_tokens", "decode_tokens", "prefill_chunks", "decode_ctx", "prefill_ctx")
+FEATURES = (
+    "prefill_tokens",
+    "decode_tokens",
+    "prefill_chunks",
+    "decode_ctx",
+    "prefill_ctx",
+    "spec_draft_tokens",
+)
 OPTIONAL = ("decode_ctx", "prefill_ctx")
 FILENAME = "stepmodel.json"
 SCALE_Z = 50.0  # steps past this many robust deviations (stalls) stay out of the scale
@@ -42,6 +50,7 @@ def features(e: dict[str, Any]) -> list[float]:
         float(e.get("requests", 0)) - dec,
         float(e.get("decode_ctx", 0)),
         float(e.get("prefill_ctx", 0)),
+        float(e.get("spec_draft_tokens", 0)),
     ]
 
 
@@ -67,6 +76,7 @@ class StepModel:
         prefill_chunks: float,
         decode_ctx: float,
         prefill_ctx: float,
+        spec_draft_tokens: float = 0.0,
     ) -> float:
         c = self.coef
         return (
@@ -76,6 +86,7 @@ class StepModel:
             + c.get("prefill_chunks", 0.0) * prefill_chunks
             + c.get("decode_ctx", 0.0) * decode_ctx
             + c.get("prefill_ctx", 0.0) * prefill_ctx
+            + c.get("spec_draft_tokens", 0.0) * spec_draft_tokens
         )
 
     def summary(self) -> str:

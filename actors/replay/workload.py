@@ -58,6 +58,8 @@ class RequestSpec:
     tags: tuple[str, ...] = ()
     # the disk tier: (first prompt block, blocks) its first admission loaded from disk
     disk_blocks: tuple[int, int] = (0, 0)
+    # speculative decoding: (drafts verified, drafts accepted) of each step that verified some
+    spec: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -187,6 +189,11 @@ def from_events(
         t0 -= min(r["sent_s"] for r in client_records.values())
     specs: list[RequestSpec] = []
     records: list[dict[str, Any]] = []
+    verified: dict[str, list[tuple[int, int]]] = defaultdict(list)  # speculation, per request
+    for e in events:
+        if e.get("event") == "executor.step":
+            for who, drafts, accepted in e.get("spec", []):
+                verified[who].append((int(drafts), int(accepted)))
     skipped = 0
     for e in sorted(received, key=lambda e: e["ts"]):
         rid = e["request_id"]
@@ -215,6 +222,7 @@ def from_events(
             prompt_hashes=list(q.get("block_hashes", [])),
             tags=tuple((client_records or {}).get(client_request_id(rid), {}).get("tags", ())),
         )
+        spec.spec = verified.get(rid, [])
         matched = ev.get("kv_manager:prefix.matched")
         if matched and matched[0].get("disk_tokens"):
             bs, m = cfg.kv.block_size, matched[0]

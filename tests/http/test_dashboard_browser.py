@@ -16,6 +16,7 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
 import pytest
@@ -418,3 +419,36 @@ async def test_dashboard_shows_a_stopped_actor_suspect_then_alive(tiny_model, tm
         await wait_until(cleared, timeout=30, interval=0.1)
         assert [e for e in hr.rt.events("peer.cleared") if e["peer"] == "executor"]
         assert not hr.rt.events("peer.dead")
+
+
+async def test_the_step_strip_shows_speculative_decodings_acceptance(smollm2, tmp_path, browser):
+    """With ``--speculative-config``, the last-step line shows the step's drafts and the
+    acceptance so far: the executor's own counts (its ``executor.step`` events)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    flags = ("--speculative-config", spec)
+    with start_http_runtime(smollm2, tmp_path / "rt", *flags, api_key="k") as hr:
+        await trio.to_thread.run_sync(browser.get, f"{hr.url}/dashboard?key=k&refresh_ms=200")
+
+        async def connected() -> bool:
+            return (await _dom(browser, "return MR.stats().conn")) == "live"
+
+        await wait_until(connected, timeout=20, interval=0.1)
+        async with open_client(hr.rt.endpoint) as c:
+            for name in ("assert", "break"):  # quoting a passage back: drafts are accepted
+                ask = f"Repeat this text exactly:\n\n{topics[name][:400]}"
+                await c.generate(
+                    messages=[{"role": "user", "content": ask}], max_tokens=40, temperature=0
+                )
+        steps = hr.rt.events("executor.step")
+        drafted = sum(e.get("spec_draft_tokens", 0) for e in steps)
+        accepted = sum(e.get("spec_accepted", 0) for e in steps)
+        assert accepted > 0
+
+        async def shown() -> dict | None:
+            d = await _dom(browser, "return {...document.getElementById('last-step').dataset}")
+            return d if d.get("specDrafted") == str(drafted) else None
+
+        d = await wait_until(shown, timeout=20, interval=0.1)
+        assert d["specAccepted"] == str(accepted)
+        text = await _dom(browser, "return document.getElementById('last-step').textContent")
+        assert f"of {drafted} drafts accepted so far" in text, text

@@ -99,6 +99,14 @@
       `<span class="k prefill">prefill ${s.prefill}</span> + <span class="k decode">decode ${s.decode}</span> tokens, ` +
       `step ${ms(s.stepS)}, forward ${ms(s.forward)}, <span class="k outside">outside the forward ${ms(outside)}</span>` +
       (s.skipped ? `, ${s.skipped} skipped` : "");
+    const sp = m.spec;
+    if (sp) {  // speculative decoding: this step's drafts, and the acceptance so far
+      el.dataset.specDrafted = sp.drafted; el.dataset.specAccepted = sp.accepted;
+      const now = s.specK === null ? "" : s.specOff ? `speculation off (${esc(s.specOff)})`
+        : `${s.specAccepted} of ${s.specDrafted} drafts accepted (k ${s.specK})`;
+      const rate = sp.drafted ? ` · ${(100 * sp.accepted / sp.drafted).toFixed(0)}% of ${sp.drafted} drafts accepted so far` : "";
+      el.innerHTML += ` · <span class="k spec">${now}${rate}</span>`;
+    }
   };
 
   MR.renderKVNow = function (m) {

@@ -69,6 +69,13 @@
     this.steps.push({ ts, step: e.step, requests: Number(e.requests) || 0,
       prefill: Number(e.prefill_tokens) || 0, decode: Number(e.decode_tokens) || 0,
       skipped: Number(e.skipped) || 0, forward: Number(e.forward_s) || 0,
-      stepS: Number(e.step_s) || 0, control: Number(e.control_s) || 0, replica: e.replica || "" });
+      stepS: Number(e.step_s) || 0, control: Number(e.control_s) || 0, replica: e.replica || "",
+      specK: e.spec_k === undefined ? null : Number(e.spec_k),
+      specDrafted: Number(e.spec_draft_tokens) || 0, specAccepted: Number(e.spec_accepted) || 0,
+      specOff: e.spec_off || "" });
+    if (e.spec_k !== undefined) {  // the executor speculates (--speculative-config)
+      const s = this.spec || (this.spec = { drafted: 0, accepted: 0 });
+      s.drafted += Number(e.spec_draft_tokens) || 0; s.accepted += Number(e.spec_accepted) || 0;
+    }
   };
 })(window.MR = window.MR || {});

@@ -88,6 +88,7 @@
       this.hits = new Ring(c.hits);     // one per admission: cached vs prompt tokens
       this.tail = new Ring(c.tail);     // the latest raw events
       this.disk = null;                 // the disk tier: {capacity, bytes, loadedTokens, bad}
+      this.spec = null;                 // speculative decoding so far: {drafted, accepted}
       this.kv = new Map();              // replica -> {total, blockSize, free, inUse, cachedOnly}
       this.config = {};
       this.sched = { running: 0, waiting: 0 };
