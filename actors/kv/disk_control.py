@@ -44,7 +44,8 @@ class DiskControl:
         self.log = log
         self.send = send
         self.tier: DiskTier | None = None
-        self.load_s = 0.0  # seconds to read one block, as the executor last measured (0: unknown)
+        self.load_s = 0.0  # seconds to read one block: a moving average of the executor's loads
+        self.loads = 0  # loads measured (one is no rate: its read may have met a busy machine)
         self.prefill_s = 0.0  # seconds to compute one prompt token there (0: unknown)
 
     def announce(self, msg: km.DiskTier) -> None:
@@ -62,14 +63,15 @@ class DiskControl:
         self._drop(drop)
 
     def rates(self, msg: km.DiskRates) -> None:
-        self.load_s = msg.load_s
+        self.loads += 1
+        self.load_s = msg.load_s if self.loads == 1 else 0.7 * self.load_s + 0.3 * msg.load_s
         if msg.prefill_s > 0:
             self.prefill_s = msg.prefill_s
 
     def saving(self, block_size: int) -> float:
-        """The share of a block's compute that loading it saves (1.0 until measured; 0 when
-        reading it costs more than computing it)."""
-        if not (self.load_s and self.prefill_s):
+        """The share of a block's compute that loading it saves (1.0 until two loads and a
+        prefill are measured; 0 when reading it costs more than computing it)."""
+        if self.loads < 2 or not self.prefill_s:
             return 1.0
         return max(0.0, 1.0 - self.load_s / (self.prefill_s * block_size))
 

@@ -1,7 +1,7 @@
 """The replay of a run that loaded prefixes from the disk tier: the recorded run (after a
 restart, its prompts' prefixes on disk) is replayed with the same disk hits, loads that take the
 recorded time per block, and the same admission decisions; the replay without the tier computes
-those prefixes instead and predicts later first tokens."""
+those prefixes instead."""
 
 from __future__ import annotations
 
@@ -53,5 +53,11 @@ def test_a_run_that_loaded_from_disk_replays_with_its_loads(tiny_model, tmp_path
     bare.config.kv = dataclasses.replace(rec.config.kv, disk_dir="")
     computed = sim.replay(bare, model)
     assert not [e for e in computed.events if e.get("event") == "executor.disk_loaded"]
-    ttft = lambda r: sum(x["ttft_s"] for x in r.records[:3])  # noqa: E731
-    assert ttft(computed) > ttft(res)
+
+    def prefill(r) -> int:
+        return sum(e["prefill_tokens"] for e in r.events if e.get("event") == "executor.step")
+
+    assert prefill(computed) - prefill(res) == 3 * 37 * BS
+    # a loaded request's first token waits for its load (which is faster than computing
+    # depends on the machine and the model: the tiny model computes about as fast as it reads)
+    assert all(r["ttft_s"] >= 37 * rec.config.disk.load_s for r in res.records[:3])
