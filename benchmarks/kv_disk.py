@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import trio
 
 from actors.bench.workloads import load_tokenizer, render
 from actors.launch.launch import start_runtime
+from benchmarks.openai import free_port
 
 QUESTIONS = [
     "Summarise the passage above in two sentences.",
@@ -120,12 +120,6 @@ async def serve(url: str, prompts: list[list[int]], burst: bool) -> tuple[list[d
             for i, p in enumerate(prompts):
                 res[i] = await one(client, url, p)
         return res, time.perf_counter() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def up(stack: ExitStack, model: Path, run: Path, *flags: str) -> str:

@@ -24,7 +24,6 @@ import argparse
 import json
 import random
 import re
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import httpx
 import trio
 
 from actors.bench.workloads import code_edit, load_tokenizer, render
+from benchmarks.openai import free_port
 
 SPEC = {
     "method": "ngram",
@@ -132,12 +132,6 @@ def spec_counters(url: str) -> dict[str, float]:
         m = re.search(rf"^vllm:spec_decode_{name}_total ([0-9.e+]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,8 @@ if TYPE_CHECKING:
 
 
 def block_bytes(ex: Executor) -> int:
-    s = ex.spec
-    return ex.cache.bytes_per_block(
-        s.num_layers, s.num_kv_heads, s.head_dim, ex.block_size, ex.kv_dtype
-    )
+    """One block's K and V over every layer: a block file's payload."""
+    return ex.kv_bytes // ex.num_blocks
 
 
 def open_store(cfg: RuntimeConfig, ex: Executor) -> DiskStore:

@@ -301,13 +301,11 @@ class KVCore(RebuildMixin):
 
     def match(self, msg: km.MatchQuery) -> km.MatchReply:
         salts = msg.salts or [""] * len(msg.token_lists)
-        mgr = self.mgr
-        return km.MatchReply(
-            cached_tokens=[
-                mgr.peek_match(t, s) + self.disk.peek(mgr, t, s)
-                for t, s in zip(msg.token_lists, salts, strict=False)
-            ]
-        )
+        mgr, out = self.mgr, []
+        for t, s in zip(msg.token_lists, salts, strict=False):
+            pool = mgr.peek_match(t, s)
+            out.append(pool + self.disk.peek(mgr, t, s, pool))
+        return km.MatchReply(cached_tokens=out)
 
     def stats(self, check: bool) -> km.Stats:
         s = self.mgr.stats()

@@ -75,15 +75,15 @@ class DiskControl:
             return 1.0
         return max(0.0, 1.0 - self.load_s / (self.prefill_s * block_size))
 
-    def peek(self, mgr: KVManager, token_ids: Sequence[int], salt: str) -> int:
-        """Tokens a ``kv_match`` counts for the disk tier after the pool's cached prefix: its
-        consecutive hits, at the share of their compute a load saves. No change."""
+    def peek(self, mgr: KVManager, token_ids: Sequence[int], salt: str, pool: int) -> int:
+        """Tokens a ``kv_match`` counts for the disk tier after the ``pool`` tokens the pool has
+        cached: its consecutive hits, at the share of their compute a load saves. No change."""
         tier = self.tier
-        if tier is None:
+        if tier is None or not tier.files:
             return 0
-        pool = mgr.peek_match(token_ids, salt) // mgr.block_size
         keys = self.keys(mgr, token_ids, salt, mgr.cache.max_match_blocks(len(token_ids)))
-        return int(tier.peek(keys, pool) * mgr.block_size * self.saving(mgr.block_size))
+        hits = tier.peek(keys, pool // mgr.block_size)
+        return int(hits * mgr.block_size * self.saving(mgr.block_size))
 
     def reset(self) -> None:
         """The executor died: its saves in flight are lost (it announces the tier again)."""
@@ -99,7 +99,7 @@ class DiskControl:
         """The blocks of an admitted request to load from disk (its table's, right after the
         ``cached`` tokens the pool had) and their keys."""
         tier = self.tier
-        if tier is None:
+        if tier is None or not tier.files:
             return [], []
         keys = self.keys(mgr, token_ids, salt, mgr.cache.max_match_blocks(len(token_ids)))
         start = cached // mgr.block_size
@@ -116,7 +116,6 @@ class DiskControl:
             )
             return [], []
         tier.hit_tokens += n * mgr.block_size
-        tier.loaded_blocks += n
         mgr.disk_hit(rid, n * mgr.block_size)
         return mgr.requests[rid].blocks[start : start + n], keys[start : start + n]
 

@@ -43,10 +43,6 @@ class DiskTier:
     pending: set[str] = field(default_factory=set)  # keys being written
     next_save: int = 1
     hit_tokens: int = 0  # prompt tokens served from disk (admissions)
-    loaded_blocks: int = 0
-    saved_blocks: int = 0
-    evicted_blocks: int = 0
-    corrupt_blocks: int = 0
 
     @classmethod
     def found(
@@ -109,7 +105,6 @@ class DiskTier:
                 break  # the chain itself is the least recently used: write less of it
             del files[key]
             drop.append(key)
-        self.evicted_blocks += len(drop)
         return drop
 
     def started(self, keys: list[str], pin: Any) -> int:
@@ -131,7 +126,6 @@ class DiskTier:
             if k not in bad:
                 self.files[k] = None
                 self.files.move_to_end(k)
-        self.saved_blocks += len(sv.keys) - len(bad)
         return sv
 
     def dropped(self, keys: Sequence[str]) -> int:
@@ -140,5 +134,4 @@ class DiskTier:
         for k in keys:
             if self.files.pop(k, 0) is None:
                 n += 1
-        self.corrupt_blocks += n
         return n

@@ -102,7 +102,7 @@ def grammar_of(c: Constraint) -> str:
     import llguidance
 
     m = llguidance.LLMatcher
-    opts = {**_JSON_OPTIONS[c.whitespace], "lenient": False}
+    opts = json_options(c.whitespace)
     try:
         if c.kind == "json_schema":
             return m.grammar_from_json_schema(c.text, overrides=opts)  # type: ignore[arg-type]
@@ -120,6 +120,12 @@ def grammar_of(c: Constraint) -> str:
         return m.grammar_from_lark(any_to_lark(c.text))
     except Exception as e:  # the converters raise ValueError and assorted parse errors
         raise GrammarError(c.field, _short(str(e))) from None
+
+
+def json_options(whitespace: str) -> dict[str, Any]:
+    """llguidance's JSON-schema options for a whitespace style (compact, spaces, flexible):
+    separators as the style writes them, and the schema enforced strictly (never lenient)."""
+    return {**_JSON_OPTIONS[whitespace], "lenient": False}
 
 
 def _short(reason: str) -> str:

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -52,6 +53,13 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "what is the weather in Paris"}]
+
+
+def _required(server, **extra: Any) -> dict[str, Any]:
+    """A chat request for a required call to one of TOOLS (or the one ``tool_choice`` names),
+    sampled (temperature 1) unless ``extra`` says otherwise."""
+    ask = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400}
+    return {"model": str(server.model), **ask, "temperature": 1.0, **extra}
 
 
 # Head size 32 (vLLM's CPU attention takes no smaller), so the same model serves a peer.
@@ -110,41 +118,17 @@ def _valid_calls(message, names=tuple(SCHEMAS)) -> list:
 
 def test_required_calls_validate_against_their_schema(server, client):
     for seed in range(4):
-        out = client.chat.completions.create(
-            model=str(server.model),
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice="required",
-            temperature=1.0,
-            seed=seed,
-            max_tokens=400,
-        )
+        out = client.chat.completions.create(**_required(server, seed=seed))
         [choice] = out.choices
         _valid_calls(choice.message)
         assert choice.finish_reason == "tool_calls"
 
 
 def test_named_tool_and_one_call_without_parallel(server, client):
-    out = client.chat.completions.create(
-        model=str(server.model),
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-        temperature=1.0,
-        seed=3,
-        max_tokens=400,
-    )
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(**_required(server, tool_choice=named, seed=3))
     assert len(_valid_calls(out.choices[0].message, names=("get_time",))) == 1
-    out = client.chat.completions.create(
-        model=str(server.model),
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=1.0,
-        seed=5,
-        max_tokens=400,
-    )
+    out = client.chat.completions.create(**_required(server, parallel_tool_calls=False, seed=5))
     assert len(_valid_calls(out.choices[0].message)) == 1
 
 
@@ -172,15 +156,7 @@ def _streamed(chunks) -> tuple[str, list[tuple[str, str]], str | None, str]:
 
 
 def test_streamed_calls_equal_the_whole_answer(server, client):
-    kw = dict(
-        model=str(server.model),
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        temperature=1.0,
-        seed=11,
-        max_tokens=400,
-    )
+    kw = _required(server, seed=11)
     whole = client.chat.completions.create(**kw).choices[0]
     calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     chunks = list(client.chat.completions.create(**kw, stream=True))
@@ -231,13 +207,7 @@ def test_round_trip_renders_as_transformers(server, client):
 
     first = (
         client.chat.completions.create(
-            model=str(server.model),
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=400,
+            **_required(server, parallel_tool_calls=False, temperature=0)
         )
         .choices[0]
         .message
@@ -371,15 +341,7 @@ async def test_async_client_calls_and_streams(server):
     results: dict[int, tuple] = {}
 
     async def one(seed: int) -> None:
-        kw = dict(
-            model=str(server.model),
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice="required",
-            temperature=1.0,
-            seed=seed,
-            max_tokens=400,
-        )
+        kw = _required(server, seed=seed)
         whole = (await client.chat.completions.create(**kw)).choices[0]
         stream = await client.chat.completions.create(**kw, stream=True)
         chunks = [c async for c in stream]

@@ -56,6 +56,13 @@ async def _settled(rt):
     return await wait_until(ok, timeout=30)
 
 
+async def _fill(model: Path, run_dir: Path, flags: tuple[str, ...], prompts) -> None:
+    """A runtime that serves ``prompts`` and stops once their blocks are written to disk."""
+    with start_runtime(model, run_dir, *flags) as rt:
+        await _serve(rt, prompts)
+        await _settled(rt)
+
+
 def _files(disk: Path) -> list[Path]:
     return sorted(disk.rglob("*.kv"))
 
@@ -97,9 +104,7 @@ async def test_bad_block_files_are_recomputed(tiny_model, tiny_models, tmp_path,
     flags = ("--num-blocks", "64", "--kv-disk-dir", str(disk))
     prompts = _prompts(2, seed=2)
     expected = hf_greedy(tiny_model, prompts, MAX_NEW)
-    with start_runtime(tiny_model, tmp_path / "run1", *flags) as rt:
-        await _serve(rt, prompts)
-        await _settled(rt)
+    await _fill(tiny_model, tmp_path / "run1", flags, prompts)
     files = _files(disk)
     assert files
     if damage == "foreign":  # every file replaced by one of another model (its own header)
@@ -198,9 +203,7 @@ async def test_kv_manager_killed_while_loads_are_in_flight(tiny_model, tmp_path)
     flags = ("--num-blocks", "64", "--kv-disk-dir", str(disk))
     prompts = _prompts(2, seed=5)
     expected = hf_greedy(tiny_model, prompts, MAX_NEW)
-    with start_runtime(tiny_model, tmp_path / "run1", *flags) as rt:
-        await _serve(rt, prompts)
-        await _settled(rt)
+    await _fill(tiny_model, tmp_path / "run1", flags, prompts)
     with start_runtime(tiny_model, tmp_path / "run2", *flags) as rt:
         results: dict[int, Any] = {}
         async with open_client(rt.endpoint) as client:

@@ -36,6 +36,17 @@ def _admit(core: KVCore, rid: str, tokens: list[int], salt: str = "") -> AdmitRe
     return res
 
 
+def _on_disk(core: KVCore, prompt: list[int], salt: str = "") -> xm.DiskSave:
+    """``prompt`` served and finished, its blocks written behind (the executor's answer given):
+    the save the KV manager asked for."""
+    _admit(core, "a", prompt, salt)
+    core.handle(km.Finish("a", 1, prompt))
+    [save] = _out(core, xm.DiskSave)
+    core.handle(km.DiskSaved(save.save_id, save.keys))
+    core.take_outbox()
+    return save
+
+
 def test_finished_blocks_are_written_behind_pinned_and_loaded_back():
     core = _core()
     prompt = list(range(1, 15))  # 3 full blocks and 2 tokens
@@ -60,10 +71,7 @@ def test_finished_blocks_are_written_behind_pinned_and_loaded_back():
 def test_the_pool_prefix_comes_first_then_disk_continues_it():
     core = _core()
     prompt = list(range(1, 18))
-    _admit(core, "a", prompt)
-    core.handle(km.Finish("a", 1, prompt))
-    [save] = _out(core, xm.DiskSave)
-    core.handle(km.DiskSaved(save.save_id, save.keys))
+    save = _on_disk(core, prompt)
     core.mgr.evict(2)  # the two deepest blocks leave the pool; the first two stay
     res = _admit(core, "b", prompt)
     assert res.cached_tokens == 16
@@ -73,10 +81,7 @@ def test_the_pool_prefix_comes_first_then_disk_continues_it():
 def test_a_salt_shares_nothing_with_another_in_either_tier():
     core = _core()
     prompt = list(range(1, 14))
-    _admit(core, "a", prompt, salt="alice")
-    core.handle(km.Finish("a", 1, prompt))
-    [save] = _out(core, xm.DiskSave)
-    core.handle(km.DiskSaved(save.save_id, save.keys))
+    _on_disk(core, prompt, "alice")
     assert _admit(core, "b", prompt, salt="bob").cached_tokens == 0
     assert _admit(core, "c", prompt).cached_tokens == 0
     assert _admit(core, "d", prompt, salt="alice").cached_tokens == 12
@@ -159,10 +164,7 @@ def test_one_live_instance_per_directory(tmp_path):
 def test_a_load_that_costs_more_than_computing_is_computed():
     core = _core()
     prompt = list(range(1, 15))
-    _admit(core, "a", prompt)
-    core.handle(km.Finish("a", 1, prompt))
-    [save] = _out(core, xm.DiskSave)
-    core.handle(km.DiskSaved(save.save_id, save.keys))
+    save = _on_disk(core, prompt)
     core.mgr.evict(3)
     ask = km.MatchQuery(token_lists=[prompt])
     assert core.handle(ask).cached_tokens == [12]  # unmeasured: a hit counts in full

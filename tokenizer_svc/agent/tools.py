@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gpu.structured.grammar import json_options
 from messages.tokenizer import ChatMessage, Generate, Tool
 
 RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "documents"})
@@ -212,17 +213,9 @@ def ends_thinking(prompt: str) -> bool:
 
 
 # ---------------------------------------------------------------- the grammar of a required call
-_JSON_OPTIONS = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "lenient": False,
-}
-
-
 def _call_rule(t: Tool, args_key: str) -> str:
     schema = dict(t.parameters or _NO_ARGS)
-    schema["x-guidance"] = _JSON_OPTIONS
+    schema["x-guidance"] = json_options("spaces")  # as tool calls are written
     head = json.dumps('{"name": ' + json.dumps(t.name) + f', "{args_key}": ')
     return f"{head} %json {json.dumps(schema)} " + json.dumps("}")
 
