@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from actors.launch.replicas import ClusterSpec, ReplicaSpec
-from actors.launch.router import find_router, http_get, router_workers
+from actors.launch.router import RouterSpec, find_router, http_get, router_workers
 from actors.runtime.events import get_logger
 
 
@@ -62,6 +62,24 @@ class Managed:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+async def router_ready(router: Managed, spec: RouterSpec, timeout: float) -> None:
+    """Wait until the router process holds every one of ``spec.workers`` as healthy."""
+    want = set(spec.workers)
+    with trio.move_on_after(timeout):
+        while True:
+            if router.proc.returncode is not None:
+                raise RuntimeError(
+                    f"the router exited with {router.proc.returncode}; its log ({router.log_path}) ends:\n{router.log_tail()}"
+                )
+            seen = await trio.to_thread.run_sync(router_workers, spec, 2.0)
+            if want <= {url for url, ok in seen.items() if ok}:
+                return
+            await trio.sleep(0.25)
+    raise RuntimeError(
+        f"the router did not hold every replica healthy within {timeout:.0f}s; its log ends:\n{router.log_tail()}"
+    )
 
 
 class Cluster:
@@ -111,7 +129,7 @@ class Cluster:
                     url=self.spec.router.url,
                     policy=self.spec.router.policy,
                 )
-                await self._router_ready(timeout)
+                await router_ready(self.router, self.spec.router, timeout)
                 for spec, child in self.replicas.values():
                     nursery.start_soon(self._watch, child, spec)
                 nursery.start_soon(self._watch, self.router, None)
@@ -148,22 +166,6 @@ class Cluster:
             raise RuntimeError(
                 f"{spec.name} did not answer {spec.url}/health within {timeout:.0f}s; its log ends:\n{child.log_tail()}"
             )
-
-    async def _router_ready(self, timeout: float) -> None:
-        want = set(self.spec.router.workers)
-        with trio.move_on_after(timeout):
-            while True:
-                if self.router.proc.returncode is not None:
-                    raise RuntimeError(
-                        f"the router exited with {self.router.proc.returncode}; its log ({self.router.log_path}) ends:\n{self.router.log_tail()}"
-                    )
-                seen = await trio.to_thread.run_sync(router_workers, self.spec.router, 2.0)
-                if want <= {url for url, ok in seen.items() if ok}:
-                    return
-                await trio.sleep(0.25)
-        raise RuntimeError(
-            f"the router did not hold every replica healthy within {timeout:.0f}s; its log ends:\n{self.router.log_tail()}"
-        )
 
     async def _watch(self, child: Managed, spec: ReplicaSpec | None) -> None:
         """Start ``child`` again when it dies (not when the cluster stops it)."""
@@ -223,7 +225,6 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
     import shlex
 
     from actors.launch.replicas import passthrough_flags, plan, visible_gpus
-    from actors.launch.router import RouterMissing
     from actors.runtime.events import configure
     from actors.runtime.security import is_local
 
@@ -240,6 +241,13 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
                 f"--http-host {http.host}: the router would listen beyond loopback; that needs "
                 "--allow-remote and --api-key KEY"
             )
+        if args.placement == "ray":
+            from actors.launch.ray_cluster import check_ray_args, find_ray
+
+            check_ray_args(args.ray_address, http.api_key, dict(os.environ))
+            ray_python = find_ray()
+        elif args.ray_address:
+            raise ValueError("--ray-address: only with --placement ray")
         flags = passthrough_flags(setup, args)
         if not cfg.model:  # resolve the default model once, not in every replica at once
             from gpu.sources import resolve
@@ -264,10 +272,21 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
             gpu_memory_utilization=cfg.executor.gpu_memory_utilization,
         )
         find_router()
-    except (ValueError, RouterMissing) as e:
+    except (ValueError, RuntimeError) as e:  # RouterMissing, RayMissing: how to install
         print(f"minirt up: {e}", file=sys.stderr)
         return 2
     configure("supervisor", spec.run_dir, stdout=False)
+    if args.placement == "ray":
+        from actors.launch.ray_cluster import run_ray_cluster
+
+        print(
+            f"minirt: {args.replicas} replicas placed by Ray ({args.ray_address}), router "
+            f"({spec.router.policy}) on {spec.router.url}, run dir {spec.run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        trio.run(run_ray_cluster, spec, args.ray_address, ray_python)
+        return 0
     print(
         f"minirt: {args.replicas} replicas, router ({spec.router.policy}) on {spec.router.url}, "
         f"run dir {spec.run_dir}",

@@ -18,7 +18,7 @@ from actors.launch.router import POLICIES, RouterSpec
 CLUSTER_FLAGS = frozenset(
     {"--replica", "--run-dir", "--http-port", "--http-host", "--metrics-port"}
     | {"--replicas", "--replica-base-port", "--router-policy", "--router-metrics-port"}
-    | {"--router-flags", "--gpus", "--gpu-memory-utilization"}
+    | {"--router-flags", "--gpus", "--gpu-memory-utilization", "--placement", "--ray-address"}
 )
 PER_INSTANCE_ENDPOINTS = frozenset(
     f"--{n}-endpoint"
@@ -240,6 +240,19 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "takes --http-host/--http-port, replica I serves on 127.0.0.1:(--replica-base-port + I)",
     )
     g.add_argument("--replica-base-port", type=int, metavar="N", help="default: HTTP port + 1")
+    g.add_argument(
+        "--placement",
+        choices=("local", "ray"),
+        default="local",
+        help="local: every replica on this machine; ray: one replica per host of an existing Ray "
+        "cluster (hosts offering the resource minirt_host), placed again by Ray when a host is "
+        "lost (scripts/install-ray; needs --ray-address, --api-key and RAY_AUTH_MODE=token)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="the Ray head's GCS address (ray start --head --port); with --placement ray",
+    )
     g.add_argument(
         "--gpus",
         metavar="LIST",

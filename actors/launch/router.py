@@ -158,6 +158,52 @@ def http_get(url: str, api_key: str = "", timeout: float = 2.0) -> tuple[int, by
         return 0, b""
 
 
+def http_call(
+    method: str, url: str, api_key: str = "", body: Any = None, timeout: float = 5.0
+) -> tuple[int, Any]:
+    """``(status, JSON answer or None)`` of a request with an optional JSON body; ``(0, None)``
+    when nothing answers. Blocking, like :func:`http_get`."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("content-type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            status, raw = int(resp.status), resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = int(e.code), e.read()
+    except (OSError, ValueError, http.client.HTTPException):
+        return 0, None
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, None
+
+
+def add_worker(spec: RouterSpec, url: str) -> bool:
+    """Register a worker with the running router (``POST /workers``, sglang-router 0.3.2: the
+    router checks it and adds it in the background); True when the router accepted it."""
+    status, _ = http_call("POST", f"{spec.url}/workers", spec.api_key, {"url": url})
+    return 200 <= status < 300
+
+
+def remove_worker(spec: RouterSpec, url: str) -> bool:
+    """Take a worker out of the running router (``DELETE /workers/{id}``, its id read from
+    ``GET /workers``); True when it was there and the router accepted the removal."""
+    status, data = http_call("GET", f"{spec.url}/workers", spec.api_key)
+    ids = [
+        str(w.get("id"))
+        for w in (data or {}).get("workers", [])
+        if isinstance(w, dict) and w.get("url") == url
+    ]
+    ok = status == 200 and bool(ids)
+    for wid in ids:
+        code, _ = http_call("DELETE", f"{spec.url}/workers/{wid}", spec.api_key)
+        ok = ok and 200 <= code < 300
+    return ok
+
+
 def router_workers(spec: RouterSpec, timeout: float = 2.0) -> dict[str, bool]:
     """``{worker URL: healthy}`` as the router sees it now (its ``GET /workers``); empty when the
     router does not answer."""

@@ -212,3 +212,49 @@ def test_health_poll_reads_a_non_http_answer_as_nothing_answering():
     finally:
         t.join(timeout=5)
         srv.close()
+
+
+@pytest.mark.parametrize(
+    "flags,env,says",
+    [
+        ([], {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t"}, "--ray-address"),
+        (["--ray-address", "h:6379", "--api-key", "k"], {"RAY_AUTH_MODE": "token"}, "RAY_AUTH_TOKEN"),
+        (["--ray-address", "10.0.0.1:6379", "--api-key", "k"], {}, "RAY_AUTH_MODE=token"),
+        (
+            ["--ray-address", "10.0.0.1:6379"],
+            {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t"},
+            "--api-key",
+        ),
+    ],
+)
+def test_ray_placement_refuses_to_start_without_address_key_or_ray_token(
+    flags, env, says, tmp_path
+):
+    """``--placement ray`` names what is missing and starts nothing (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | env
+    cmd = [sys.executable, "-m", "actors.cli", "up", "--replicas", "2", "--placement", "ray"]
+    cmd += ["--model", str(tmp_path), "--run-dir", str(tmp_path / "run"), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and says in out.stderr, (out.returncode, out.stderr)
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_ray_plan_gives_each_replica_its_command_without_an_address(tmp_path):
+    from actors.launch.ray_cluster import ray_plan
+
+    c = plan(2, tmp_path / "c", http_port=8000, api_key="k", flags=["--model", "/m"])
+    p = ray_plan(c, "10.0.0.1:6379", "/venv/bin/python", 60.0)
+    assert p["address"] == "10.0.0.1:6379" and p["timeout"] == 60.0
+    assert [(r["name"], r["port"]) for r in p["replicas"]] == [
+        ("replica-0", 8001),
+        ("replica-1", 8002),
+    ]
+    argv = p["replicas"][1]["argv"]
+    assert argv[:6] == ["/venv/bin/python", "-m", "actors.cli", "up", "--model", "/m"]
+    assert "--allow-remote" in argv and "--http-host" not in argv  # its actor adds its node's
+    assert argv[-4:] == ["--replica", "replica-1", "--run-dir", str(tmp_path / "c" / "replica-1")]
+    assert p["replicas"][1]["env"] == {"MINIRT_REPLICA": "replica-1"}

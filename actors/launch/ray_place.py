@@ -1,0 +1,239 @@
+"""``minirt up --placement ray``, the Ray side: runs in Ray's own venv (``scripts/install-ray``)
+with the standard library and ``ray`` only; never imported by the project's venv.
+
+The launcher (``actors.launch.ray_cluster``) starts ``python -m actors.launch.ray_place`` as
+a driver of an existing Ray cluster and writes it one JSON line (the plan). The driver:
+
+- makes (or finds again, after a launcher restart) a detached placement group of one bundle per
+  replica, ``STRICT_SPREAD`` over nodes that offer the custom resource ``minirt_host``: one
+  replica per host, never on the head unless the head offers it;
+- places one detached ``ReplicaHost`` actor in each bundle, restarted by Ray without limit: it
+  runs a whole replica (``minirt up``: four actors and HTTP) on its node's address, the replica
+  dying with it (parent-death signal) and it dying with the replica (so Ray places it again);
+- reports on stdout, one line each (``minirt-ray`` and a JSON object): ``placed`` (a replica serves: name, URL, node, pid,
+  incarnation), ``lost`` (its actor or host is gone: name, URL, why), ``stopped``.
+
+When a host leaves the cluster, Ray moves its bundle to a spare host and restarts the actor
+there; the launcher tells the router. On stdin EOF or SIGTERM the driver kills the actors and
+removes the placement group (``stop``); the cluster itself is the operator's (``ray start``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+NAMESPACE = "minirt"
+HOST_RESOURCE = "minirt_host"  # `ray start --resources '{"minirt_host": 1}'` on replica hosts
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the replica's ``minirt up``, before exec: SIGTERM when the Ray worker that started it
+    dies (its host was stopped or lost), so its supervisor stops its actors."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setsid()
+
+
+def _health(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return int(r.status)
+    except Exception:
+        return 0
+
+
+class ReplicaHost:
+    """A Ray actor that runs one whole replica on its node (made remote in :func:`place`)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        self.name = spec["name"]
+        self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ctx.get_node_id()
+        self.url = f"http://{self.node_ip}:{spec['port']}"
+        argv = list(spec["argv"]) + ["--http-host", self.node_ip, "--http-port", str(spec["port"])]
+        logs = Path(spec["run_dir"]) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"replica-{self.node_ip}.log"
+        env = dict(os.environ, **spec.get("env", {}), PYTHONUNBUFFERED="1")
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=spec.get("cwd") or None,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+        self.started = time.time()
+        self.stopping = False
+        threading.Thread(target=self._exit_with_replica, daemon=True).start()
+
+    def _exit_with_replica(self) -> None:
+        """A replica that exits on its own takes its actor with it, so Ray restarts both."""
+        code = self.proc.wait()
+        if not self.stopping:
+            print(f"minirt replica {self.name} exited with {code}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def ready(self, timeout: float) -> dict[str, Any]:
+        """Block until the replica answers ``GET /health`` with 200; its address and node."""
+        deadline = time.monotonic() + timeout
+        while _health(self.url) != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} on {self.url} not healthy after {timeout:.0f}s")
+            time.sleep(0.25)
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "replica": self.name,
+            "url": self.url,
+            "node_ip": self.node_ip,
+            "node_id": self.node_id,
+            "pid": self.proc.pid,
+            "actor_pid": os.getpid(),
+            "started": self.started,
+        }
+
+    def watch(self) -> int:
+        """Returns when the replica exits (never, while it serves): a call left waiting here
+        fails the moment the actor or its host is gone."""
+        return self.proc.wait()
+
+    def stop(self, grace: float = 10.0) -> int:
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return int(self.proc.wait())
+
+
+REPORT = "minirt-ray "  # starts each report line: Ray itself prints to the driver's stdout too
+
+
+def emit(kind: str, **fields: Any) -> None:
+    print(REPORT + json.dumps({"event": kind, **fields}), flush=True)
+
+
+class Placement:
+    """The driver: the placement group, one actor per bundle, a watcher thread per replica."""
+
+    def __init__(self, plan: dict[str, Any]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray, self.plan = ray, plan
+        self.timeout = float(plan.get("timeout", 300.0))
+        self.done = threading.Event()
+        replicas = plan["replicas"]
+        bundle = {HOST_RESOURCE: 1.0, **plan.get("bundle", {})}
+        self.pg = placement_group(
+            [dict(bundle) for _ in replicas],
+            strategy="STRICT_SPREAD",
+            name=f"minirt-{plan['cluster']}",
+            lifetime="detached",
+        )
+        ray.get(self.pg.ready(), timeout=self.timeout)
+        host = ray.remote(ReplicaHost)
+        self.actors = [
+            host.options(
+                name=f"{plan['cluster']}-{r['name']}",
+                namespace=NAMESPACE,
+                get_if_exists=True,
+                lifetime="detached",
+                max_restarts=-1,
+                max_task_retries=0,
+                max_concurrency=4,
+                num_cpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=i
+                ),
+            ).remote(r)
+            for i, r in enumerate(replicas)
+        ]
+
+    def watch(self, i: int) -> None:
+        """Report replica ``i``'s placements and losses until the driver stops."""
+        name, actor, last, incarnation = self.plan["replicas"][i]["name"], self.actors[i], None, 0
+        while not self.done.is_set():
+            try:
+                info = self.ray.get(actor.ready.remote(self.timeout))
+            except Exception as e:
+                if self.done.wait(0.5):
+                    return
+                if last is not None:
+                    emit("lost", replica=name, url=last["url"], reason=type(e).__name__)
+                    last = None
+                continue
+            if last is None or info["actor_pid"] != last["actor_pid"]:
+                incarnation += 1
+                emit("placed", incarnation=incarnation, **info)
+            last = info
+            try:
+                code = self.ray.get(actor.watch.remote())
+                why = f"replica exited with {code}"
+            except Exception as e:
+                why = type(e).__name__
+            if not self.done.is_set():
+                emit("lost", replica=name, url=last["url"], node_ip=last["node_ip"], reason=why)
+                last = None
+
+    def stop(self) -> None:
+        self.done.set()
+        for actor in self.actors:
+            try:
+                self.ray.get(actor.stop.remote(), timeout=15)
+            except Exception:
+                pass
+            self.ray.kill(actor, no_restart=True)
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+        emit("stopped")
+
+
+def main() -> int:
+    import ray
+    from ray import cloudpickle
+
+    plan = json.loads(sys.stdin.readline())
+    # the actor class travels by value: Ray's workers need not find this source tree
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(address=plan["address"], namespace=NAMESPACE, log_to_driver=False)
+    placement = Placement(plan)
+    for i in range(len(placement.actors)):
+        threading.Thread(target=placement.watch, args=(i,), daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: placement.done.set())
+
+    def until_eof() -> None:  # the launcher closed our stdin (or died): stop
+        sys.stdin.read()
+        placement.done.set()
+
+    threading.Thread(target=until_eof, daemon=True).start()
+    while not placement.done.wait(1.0):
+        pass
+    placement.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
