@@ -285,8 +285,14 @@ def up_cluster(args: Any, setup: Any, cfg: Any) -> int:
             file=sys.stderr,
             flush=True,
         )
-        trio.run(run_ray_cluster, spec, args.ray_address, ray_python)
-        return 0
+        failed = False
+        try:
+            trio.run(run_ray_cluster, spec, args.ray_address, ray_python)
+        except* RuntimeError as group:  # the driver could not place them, or exited: its words
+            for err in group.exceptions:
+                print(f"minirt up: {err}", file=sys.stderr)
+            failed = True
+        return 1 if failed else 0
     print(
         f"minirt: {args.replicas} replicas, router ({spec.router.policy}) on {spec.router.url}, "
         f"run dir {spec.run_dir}",

@@ -112,10 +112,16 @@ class RayCluster:
         try:
             await self._start_driver()
             reports = self._reports()
-            while len(self.urls) < len(self.spec.replicas):
-                with trio.fail_after(self.timeout):
-                    report = await reports.__anext__()
-                self._note(report)
+            with trio.move_on_after(self.timeout + 30):
+                async for report in reports:
+                    self._note(report)
+                    if len(self.urls) == len(self.spec.replicas):
+                        break
+            if len(self.urls) < len(self.spec.replicas):
+                raise RuntimeError(
+                    f"Ray placed {len(self.urls)} of {len(self.spec.replicas)} replicas; the "
+                    f"driver's log ({self.driver_log}) ends:\n{self._tail()}"
+                )
             self.spec.router.workers = [self.urls[r.name] for r in self.spec.replicas]
             self.router.argv = self.spec.router.argv(find_router())
             await self.router.start()
@@ -259,10 +265,15 @@ class RayCluster:
 async def run_ray_cluster(spec: ClusterSpec, address: str, ray_python: Path) -> None:
     """Run until SIGINT/SIGTERM; prints ``minirt ready URL`` once the router serves."""
     cluster = RayCluster(spec, address, ray_python)
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(cluster.run)
-        print(f"minirt ready {url}", flush=True)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
+    # the signals are ours from the start: Ctrl-C while Ray places the replicas stops them too
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def until_signal() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(until_signal)
+            url = await nursery.start(cluster.run)
+            print(f"minirt ready {url}", flush=True)

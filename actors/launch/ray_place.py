@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -136,14 +137,14 @@ def emit(kind: str, **fields: Any) -> None:
 class Placement:
     """The driver: the placement group, one actor per bundle, a watcher thread per replica."""
 
-    def __init__(self, plan: dict[str, Any]) -> None:
+    def __init__(self, plan: dict[str, Any], done: threading.Event) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.ray, self.plan = ray, plan
         self.timeout = float(plan.get("timeout", 300.0))
-        self.done = threading.Event()
+        self.done = done
         replicas = plan["replicas"]
         bundle = {HOST_RESOURCE: 1.0, **plan.get("bundle", {})}
         self.pg = placement_group(
@@ -152,7 +153,17 @@ class Placement:
             name=f"minirt-{plan['cluster']}",
             lifetime="detached",
         )
-        ray.get(self.pg.ready(), timeout=self.timeout)
+        try:
+            ray.get(self.pg.ready(), timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)  # detached: it would hold hosts as they join
+            raise RuntimeError(
+                f"no room for {len(replicas)} replicas, one per host, within {self.timeout:.0f}s: "
+                f"fewer than {len(replicas)} alive nodes offer the resource {HOST_RESOURCE} "
+                f"(ray start --resources '{{\"{HOST_RESOURCE}\": 1}}'), or they lack {bundle}"
+            ) from None
         host = ray.remote(ReplicaHost)
         self.actors = [
             host.options(
@@ -216,20 +227,34 @@ def main() -> int:
     from ray import cloudpickle
 
     plan = json.loads(sys.stdin.readline())
-    # the actor class travels by value: Ray's workers need not find this source tree
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(address=plan["address"], namespace=NAMESPACE, log_to_driver=False)
-    placement = Placement(plan)
-    for i in range(len(placement.actors)):
-        threading.Thread(target=placement.watch, args=(i,), daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda *_: placement.done.set())
+    host, _, port = plan["address"].rpartition(":")
+    try:  # a wrong address fails now, not after Ray's own minutes of retries
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except (OSError, ValueError) as e:
+        print(f"minirt: no Ray head answers at {plan['address']}: {e}", file=sys.stderr, flush=True)
+        return 1
+    done, creating = threading.Event(), threading.Event()
 
     def until_eof() -> None:  # the launcher closed our stdin (or died): stop
         sys.stdin.read()
-        placement.done.set()
+        if not creating.is_set():
+            os._exit(0)  # nothing placed yet: nothing to undo
+        done.set()
 
     threading.Thread(target=until_eof, daemon=True).start()
-    while not placement.done.wait(1.0):
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    # the actor class travels by value: Ray's workers need not find this source tree
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(address=plan["address"], namespace=NAMESPACE, log_to_driver=False)
+    creating.set()
+    try:
+        placement = Placement(plan, done)
+    except RuntimeError as e:
+        print(f"minirt: {e}", file=sys.stderr, flush=True)
+        return 1
+    for i in range(len(placement.actors)):
+        threading.Thread(target=placement.watch, args=(i,), daemon=True).start()
+    while not done.wait(1.0):
         pass
     placement.stop()
     return 0

@@ -218,7 +218,11 @@ def test_health_poll_reads_a_non_http_answer_as_nothing_answering():
     "flags,env,says",
     [
         ([], {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t"}, "--ray-address"),
-        (["--ray-address", "h:6379", "--api-key", "k"], {"RAY_AUTH_MODE": "token"}, "RAY_AUTH_TOKEN"),
+        (
+            ["--ray-address", "h:6379", "--api-key", "k"],
+            {"RAY_AUTH_MODE": "token"},
+            "RAY_AUTH_TOKEN",
+        ),
         (["--ray-address", "10.0.0.1:6379", "--api-key", "k"], {}, "RAY_AUTH_MODE=token"),
         (
             ["--ray-address", "10.0.0.1:6379"],
