@@ -266,7 +266,7 @@ def test_replicas_placed_by_ray_survive_a_lost_host(tiny_model, tmp_path):
             served: set[str] = set()
             for r in range(4):
                 after = text_w2(tok, 10 + r, groups=4, per_group=2, system=32, tag=f"after{r}")
-                answers = trio.run(lambda: post_all(url, after, key, MAX_TOKENS))
+                answers = trio.run(post_all, url, after, key, MAX_TOKENS)
                 assert all(a[0] == 200 for a in answers.values()), answers
                 served |= set(served_by(dirs, [j.rid for j in after]).values())
                 if served == set(dirs):
