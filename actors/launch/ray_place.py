@@ -34,16 +34,51 @@ from typing import Any
 
 NAMESPACE = "minirt"
 HOST_RESOURCE = "minirt_host"  # `ray start --resources '{"minirt_host": 1}'` on replica hosts
-_PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the replica's ``minirt up``, before exec: SIGTERM when the Ray worker that started it
-    dies (its host was stopped or lost), so its supervisor stops its actors."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    os.setsid()
+# The replica's keeper, run as `python -c KEEPER WORKER_PID FD ARGV...` by the Ray actor. It
+# forks away (so it is no child of the Ray worker: Ray kills a dead worker's children with
+# SIGKILL, which would leave the replica's processes behind), starts the replica (`minirt up`:
+# the supervisor and its four actors, one process group of its own), and stops that whole group
+# when the worker is gone (its host's Ray node stopped or lost) or on SIGTERM (the actor's
+# `stop`): SIGTERM, then SIGKILL to whatever of the group is left after 10 s. It reports on the
+# pipe FD: "PID REPLICA_PID" once, "exit CODE" at the end (the pipe's end: it is gone).
+KEEPER = """
+import os, signal, subprocess, sys, time
+worker, fd, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+if os.fork():
+    os._exit(0)
+os.setsid()
+def born(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+mark = born(worker)
+child = subprocess.Popen(argv, start_new_session=True)
+os.write(fd, f"{os.getpid()} {child.pid}\\n".encode())
+def down(*_):
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + wait
+        while child.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+    child.wait()
+signal.signal(signal.SIGTERM, lambda *_: (down(), os.write(fd, b"exit -15\\n"), os._exit(0)))
+while child.poll() is None:
+    if born(worker) != mark:
+        down()
+        break
+    time.sleep(0.5)
+try:
+    os.killpg(child.pid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+os.write(fd, f"exit {child.wait()}\\n".encode())
+"""
 
 
 def _health(url: str, timeout: float = 2.0) -> int:
@@ -70,25 +105,35 @@ class ReplicaHost:
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"replica-{self.node_ip}.log"
         env = dict(os.environ, **spec.get("env", {}), PYTHONUNBUFFERED="1")
+        r, w = os.pipe()
         with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                argv,
+            subprocess.run(  # the keeper's first process: it forks the keeper and exits
+                [sys.executable, "-c", KEEPER, str(os.getpid()), str(w), *argv],
                 cwd=spec.get("cwd") or None,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                pass_fds=(w,),
+                check=True,
             )
+        os.close(w)
+        self.reports = os.fdopen(r, "r")
+        self.keeper, self.pid = (int(x) for x in self.reports.readline().split())
         self.started = time.time()
         self.stopping = False
+        self.exited = threading.Event()
+        self.code: int | None = None
         threading.Thread(target=self._exit_with_replica, daemon=True).start()
 
     def _exit_with_replica(self) -> None:
         """A replica that exits on its own takes its actor with it, so Ray restarts both."""
-        code = self.proc.wait()
+        for line in self.reports:  # until the keeper is gone
+            if line.startswith("exit "):
+                self.code = int(line.split()[1])
+        self.exited.set()
         if not self.stopping:
-            print(f"minirt replica {self.name} exited with {code}", file=sys.stderr, flush=True)
+            print(f"minirt replica {self.name} exited ({self.code})", file=sys.stderr, flush=True)
             os._exit(1)
 
     def ready(self, timeout: float) -> dict[str, Any]:
@@ -106,25 +151,26 @@ class ReplicaHost:
             "url": self.url,
             "node_ip": self.node_ip,
             "node_id": self.node_id,
-            "pid": self.proc.pid,
+            "pid": self.pid,
             "actor_pid": os.getpid(),
             "started": self.started,
         }
 
-    def watch(self) -> int:
+    def watch(self) -> int | None:
         """Returns when the replica exits (never, while it serves): a call left waiting here
         fails the moment the actor or its host is gone."""
-        return self.proc.wait()
+        self.exited.wait()
+        return self.code
 
-    def stop(self, grace: float = 10.0) -> int:
+    def stop(self) -> int | None:
+        """The keeper stops the replica's group (SIGTERM, SIGKILL after 10 s) and exits."""
         self.stopping = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return int(self.proc.wait())
+        try:
+            os.kill(self.keeper, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self.exited.wait(30)
+        return self.code
 
 
 REPORT = "minirt-ray "  # starts each report line: Ray itself prints to the driver's stdout too
