@@ -64,6 +64,16 @@ class Managed:
             return ""
 
 
+async def start_router(router: Managed, spec: RouterSpec, timeout: float) -> None:
+    """Start the router process (``cluster.router_started``) and wait until it holds every one
+    of ``spec.workers`` healthy."""
+    await router.start()
+    get_logger().info(
+        "cluster.router_started", pid=router.proc.pid, url=spec.url, policy=spec.policy
+    )
+    await router_ready(router, spec, timeout)
+
+
 async def router_ready(router: Managed, spec: RouterSpec, timeout: float) -> None:
     """Wait until the router process holds every one of ``spec.workers`` as healthy."""
     want = set(spec.workers)
@@ -122,14 +132,7 @@ class Cluster:
                             pinned=spec.pin,
                         )
                         waits.start_soon(self._replica_ready, spec, child, timeout, True)
-                await self.router.start()
-                self.log.info(
-                    "cluster.router_started",
-                    pid=self.router.proc.pid,
-                    url=self.spec.router.url,
-                    policy=self.spec.router.policy,
-                )
-                await router_ready(self.router, self.spec.router, timeout)
+                await start_router(self.router, self.spec.router, timeout)
                 for spec, child in self.replicas.values():
                     nursery.start_soon(self._watch, child, spec)
                 nursery.start_soon(self._watch, self.router, None)

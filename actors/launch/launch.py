@@ -47,6 +47,23 @@ def actor_pids(run_dir: Path) -> dict[str, int]:
     }
 
 
+def read_ready(proc: subprocess.Popen[str], timeout: float) -> tuple[str | None, list[str]]:
+    """Read ``proc``'s stdout until it prints ``minirt ready ENDPOINT`` (``minirt up``, with or
+    without replicas): the endpoint (None if it exited or ``timeout`` passed first) and the
+    lines read."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("minirt ready "):
+            return line.split()[2], lines
+    return None, lines
+
+
 @contextmanager
 def start_runtime(
     model: Path, run_dir: Path, *flags: str, timeout: float = 90.0
@@ -77,18 +94,7 @@ def start_runtime(
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + timeout
-        endpoint = None
-        assert proc.stdout is not None
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("minirt ready "):
-                endpoint = line.split()[2]
-                break
+        endpoint, lines = read_ready(proc, timeout)
         if endpoint is None:
             raise RuntimeError("minirt up did not become ready:\n" + "".join(lines))
         yield Runtime(run_dir, proc, endpoint)

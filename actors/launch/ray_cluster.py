@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from actors.launch.cluster import Managed, router_ready
+from actors.launch.cluster import Managed, start_router
 from actors.launch.replicas import ClusterSpec
 from actors.launch.router import add_worker, find_router, remove_worker
 from actors.runtime.events import get_logger
@@ -124,14 +124,7 @@ class RayCluster:
                 )
             self.spec.router.workers = [self.urls[r.name] for r in self.spec.replicas]
             self.router.argv = self.spec.router.argv(find_router())
-            await self.router.start()
-            self.log.info(
-                "cluster.router_started",
-                pid=self.router.proc.pid,
-                url=self.spec.router.url,
-                policy=self.spec.router.policy,
-            )
-            await router_ready(self.router, self.spec.router, self.timeout)
+            await start_router(self.router, self.spec.router, self.timeout)
             self.log.info(
                 "cluster.ready", url=self.spec.router.url, replicas=list(self.urls.values())
             )

@@ -14,7 +14,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import trio
 import zmq.auth
 
 from actors.eventlog import is_request, read_events
+from actors.launch.launch import read_ready
 from actors.launch.router import (
     RouterMissing,
     RouterSpec,
@@ -63,18 +63,8 @@ def replica(cmd: list[str], log: Path, timeout: float = 180.0):
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     try:
-        lines, deadline = [], time.monotonic() + timeout
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("minirt ready"):
-                break
-        else:
-            lines.append("(timed out)")
-        if not lines or not lines[-1].startswith("minirt ready"):
+        ready, lines = read_ready(proc, timeout)
+        if ready is None:
             raise RuntimeError("replica did not start:\n" + "".join(lines[-20:]))
         log.write_text("".join(lines))
         yield proc

@@ -30,6 +30,7 @@ import pytest
 import trio
 
 from actors.eventlog import read_events
+from actors.launch.launch import read_ready
 from actors.launch.ray_cluster import RayMissing, find_ray
 from actors.launch.router import RouterMissing, RouterSpec, find_router, router_workers
 from benchmarks.http_load import TextJob, hit_rate, reference_texts, run_jobs, text_w2
@@ -334,16 +335,8 @@ def _w2(url, tok, model, key, seed, tag, jobs=None) -> float:
 
 
 def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
-    lines, deadline = [], time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("minirt ready"):
-            return
-    raise AssertionError("minirt up --placement ray did not start:\n" + "".join(lines[-30:]))
+    url, lines = read_ready(proc, timeout)
+    assert url, "minirt up --placement ray did not start:\n" + "".join(lines[-30:])
 
 
 def _stop(proc: subprocess.Popen[str], head: Host) -> None:
