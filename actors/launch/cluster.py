@@ -68,9 +68,8 @@ async def start_router(router: Managed, spec: RouterSpec, timeout: float) -> Non
     """Start the router process (``cluster.router_started``) and wait until it holds every one
     of ``spec.workers`` healthy."""
     await router.start()
-    get_logger().info(
-        "cluster.router_started", pid=router.proc.pid, url=spec.url, policy=spec.policy
-    )
+    log = get_logger()
+    log.info("cluster.router_started", pid=router.proc.pid, url=spec.url, policy=spec.policy)
     await router_ready(router, spec, timeout)
 
 
