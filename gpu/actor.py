@@ -84,6 +84,8 @@ class ExecutorActor(Actor):
             burst_wait_ms=cfg.executor.burst_wait_ms,
             speculative=dataclasses.asdict(spec) if (spec := self.ex.speculative) else None,
             spec_rows=self.ex.spec_rows if spec else None,
+            step_target_s=round(ad.target_s, 6) if (ad := self.ex.adaptive) else None,
+            step_costs=ad.seed.as_dict() if ad else None,  # the adaptive budget's seed
         )
 
     @property

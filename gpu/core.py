@@ -350,4 +350,7 @@ class ExecutorCore:
             decode_ctx=result.decode_ctx,
             prefill_ctx=result.prefill_ctx,
             **spec_fields(result.spec),
+            **({} if result.prefill_cap is None else {"prefill_cap": result.prefill_cap}),
         )
+        if result.refit is not None:  # the adaptive budget's model, refitted on its steps
+            self.log.info("executor.step_model", step=self.steps, **result.refit.as_dict())

@@ -42,6 +42,7 @@ from gpu.spec import cost as spec_cost
 from gpu.spec.ngram import NgramTokens
 from gpu.spec.plan import SpecPlan, plan_drafts
 from gpu.spec.verify import SpecStats, accepted
+from gpu.step_budget import SEED_ROWS, AdaptiveBudget, measure_seed
 from gpu.step_plan import StepBudget
 from gpu.structured.engine import StructuredEngine
 from gpu.structured.grammar import Compiled
@@ -89,6 +90,8 @@ class Executor:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         speculative: str | dict | spec_config.SpecConfig | None = None,
         spec_rows: int | None = None,
+        budget_policy: str = "fixed",
+        step_target_ms: float = 0.0,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -100,6 +103,8 @@ class Executor:
             long_prefill_threshold,
             max_long_prefills,
             decode_first,
+            budget_policy,
+            step_target_ms,
         )
         self.budget.check()
         if block_size < 1:
@@ -153,6 +158,14 @@ class Executor:
             self.device,
         )
         self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
+        # the adaptive step budget (gpu/step_budget.py): seeded by two forwards timed now
+        self.adaptive: AdaptiveBudget | None = None
+        if budget_policy == "adaptive":
+            run = spec_cost.model_forward(
+                self.model, spec, self.kv_dtype, self.device, block_size, SEED_ROWS, False
+            )
+            seed = measure_seed(run)
+            self.adaptive = AdaptiveBudget(seed, step_budget, step_target_ms / 1000.0)
         self.spec_rows = spec_rows or 0
         if self.speculative is not None and not spec_rows:
             run = spec_cost.model_forward(self.model, spec, self.kv_dtype, self.device, block_size)
@@ -186,6 +199,8 @@ class Executor:
             gpu_memory_utilization=x.gpu_memory_utilization,
             speculative=x.speculative_config,
             spec_rows=x.spec_max_rows or None,
+            budget_policy=x.budget_policy,
+            step_target_ms=x.step_target_ms,
         )
 
     # ---- request management -------------------------------------------------------------
@@ -301,7 +316,10 @@ class Executor:
         the requests whose prompt this step completes: their prompt KV is in the cache once
         the step returns (whatever else happens in it; a forward that raises raises here)."""
         t0 = time.perf_counter()
-        plan = self.requests.plan()
+        cap = None
+        if self.adaptive is not None and self.requests.prefilling:
+            cap = self.adaptive.cap(*self.requests.decode_load())
+        plan = self.requests.plan(cap)
         decodes, chunks, skipped = plan.decodes, plan.chunks, plan.skipped
         if not decodes and not chunks:
             return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
@@ -363,6 +381,12 @@ class Executor:
                 mask_s += step_batch.emit(self, req, tokens[j], lps[j], tops[j], outputs, failed)
                 if req.rid not in self.requests:
                     break  # it ended
+        step_s = time.perf_counter() - t0
+        refit = None
+        if self.adaptive is not None:
+            rows = len(decodes) + (sum(len(d) for d in drafts.values()) if drafts else 0)
+            if self.adaptive.observe(shape.prefill_tokens, rows, shape.decode_ctx, step_s):
+                refit = self.adaptive.costs
         return StepResult(
             outputs,
             shape.prefill_tokens,
@@ -370,13 +394,15 @@ class Executor:
             len(decodes) + len(chunks),
             skipped,
             forward_s,
-            time.perf_counter() - t0,
+            step_s,
             mask_s,
             sum(r.grammar is not None for r in samplers),
             failed,
             decode_ctx=shape.decode_ctx,
             prefill_ctx=shape.prefill_ctx,
             spec=stats,
+            prefill_cap=cap,
+            refit=refit,
         )
 
     def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:

@@ -65,10 +65,20 @@ class RequestTable:
         """Whether the requests held fill one step (``gpu.step_plan.fills_a_step``)."""
         return fills_a_step(self.prefilling.values(), self.num_requests(), self.budget)
 
-    def plan(self) -> StepPlan:
+    def plan(self, prefill_cap: int | None = None) -> StepPlan:
         return plan_step(
-            self.decoding.values(), self.prefilling.values(), self.budget, self.block_size
+            self.decoding.values(),
+            self.prefilling.values(),
+            self.budget,
+            self.block_size,
+            prefill_cap,
         )
+
+    def decode_load(self) -> tuple[int, int]:
+        """What the next step's decodes are: rows (at most the batch size) and the keys their
+        attention reads (the adaptive budget prices them)."""
+        rows = min(len(self.decoding), self.budget.max_batch_size)
+        return rows, sum(r.computed for r in self.decoding.values())
 
     def capacity(self, request_id: str) -> int:
         """Tokens the request's block table can hold (KeyError if not in flight). O(1)."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gpu.logits_processors import LogitsProcessors
     from gpu.spec.ngram import NgramTokens
     from gpu.spec.verify import SpecStats
+    from gpu.step_budget import Costs
     from gpu.structured.masks import GrammarState
 
 
@@ -68,6 +69,8 @@ class StepResult:
     decode_ctx: int = 0  # sum of the decodes' context lengths (keys their attention reads)
     prefill_ctx: int = 0  # sum over prefill chunks of chunk * (start + chunk)
     spec: SpecStats | None = None  # the step's speculation; None when speculation is off
+    prefill_cap: int | None = None  # the adaptive budget's cap on prompt tokens (None: fixed)
+    refit: Costs | None = None  # the adaptive budget's model, when this step refitted it
 
 
 @dataclass

@@ -35,10 +35,16 @@ class StepBudget:
     long_prefill_threshold: int = 0
     max_long_prefills: int = 1
     decode_first: bool = True
+    budget_policy: str = "fixed"  # or adaptive: a cap on each step's prefill (gpu/step_budget.py)
+    step_target_ms: float = 0.0  # adaptive: the step time to keep to (0: from the start's model)
 
     def check(self) -> None:
         if min(self.step_budget, self.chunk_cap, self.max_batch_size) < 1:
             raise ValueError("chunk_cap, step_budget, max_batch_size must be >= 1")
+        if self.budget_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"budget_policy must be fixed or adaptive, not {self.budget_policy!r}")
+        if self.step_target_ms < 0:
+            raise ValueError("step_target_ms must be >= 0")
         if self.long_prefill_threshold < 0 or self.max_long_prefills < 1:
             raise ValueError("long_prefill_threshold must be >= 0 and max_long_prefills >= 1")
 
@@ -82,9 +88,13 @@ def plan_step(
     prefilling: Iterable[RequestState],
     b: StepBudget,
     block_size: int,
+    prefill_cap: int | None = None,
 ) -> StepPlan:
+    """``prefill_cap``: prompt tokens this step may prefill at most (the adaptive budget,
+    ``gpu/step_budget.py``); None: as many as the step budget leaves."""
     plan = StepPlan([], [], [])
     budget = b.step_budget
+    prefill_left = b.step_budget if prefill_cap is None else prefill_cap
 
     def add_decodes() -> None:
         nonlocal budget
@@ -98,18 +108,21 @@ def plan_step(
             budget -= 1
 
     def add_chunks() -> None:
-        nonlocal budget
+        nonlocal budget, prefill_left
         longs = 0
         for req in prefilling:
-            if len(plan.decodes) + len(plan.chunks) >= b.max_batch_size or budget < 1:
+            if len(plan.decodes) + len(plan.chunks) >= b.max_batch_size:
+                break
+            if budget < 1 or prefill_left < 1:
                 break
             if b.long_prefill_threshold and len(req.prompt) > b.long_prefill_threshold:
                 if longs >= b.max_long_prefills:
                     continue  # let shorter prompts behind it in
                 longs += 1
-            c = min(budget, b.chunk_cap, len(req.prompt) - req.computed)
+            c = min(budget, prefill_left, b.chunk_cap, len(req.prompt) - req.computed)
             plan.chunks.append((req, c))
             budget -= c
+            prefill_left -= c
 
     if b.decode_first:
         add_decodes()

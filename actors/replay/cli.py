@@ -31,6 +31,8 @@ KNOB_FLAGS = (
     "max-long-prefills",
     "kv-mode",
     "max-wait-s",
+    "budget-policy",
+    "step-target-ms",
 )
 
 

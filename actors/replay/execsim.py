@@ -23,6 +23,7 @@ from gpu.disk_io import DiskIO, DiskRead, DiskWritten
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
 from gpu.spec.verify import SpecStats
+from gpu.step_budget import AdaptiveBudget, Costs
 from gpu.step_plan import StepBudget, StepPlan, StepShape
 from gpu.structured.grammar import Compiled
 from messages.executor import DiskDrop, Run
@@ -70,8 +71,8 @@ class ScriptedRunner:
         if run.request_id not in self.verifying:  # (a new attempt goes on where it was)
             self.verifying[run.request_id] = deque(self.spec(run.request_id))
 
-    def plan(self) -> StepPlan | None:
-        return self.requests.plan() if self.requests.has_work() else None
+    def plan(self, prefill_cap: int | None = None) -> StepPlan | None:
+        return self.requests.plan(prefill_cap) if self.requests.has_work() else None
 
     def drafts(self, plan: StepPlan) -> dict[str, tuple[int, int]]:
         """The step's speculation: each decode's next recorded (drafts, accepted), as many
@@ -160,11 +161,25 @@ class SimExecutor:
         disk: DiskModel | None = None,
         spec: Callable[[str], list[tuple[int, int]]] = lambda rid: [],
         draft_tokens: int = 0,
+        step_target_s: float = 0.0,
     ) -> None:
         self.loop = loop
         self.model = model
         self.out_hop_s = out_hop_s
         self.runner = ScriptedRunner(budget, block_size, num_blocks, script, spec)
+        # the adaptive budget, as the executor runs it, seeded from the model that times the
+        # replay's steps (and refitted on them); its target as given, else as the run had it
+        self.adaptive: AdaptiveBudget | None = None
+        if budget.budget_policy == "adaptive":
+            c = model.coef
+            seed = Costs(
+                max(model.intercept, 1e-6),
+                max(c.get("prefill_tokens", 0.0), 1e-9),
+                max(c.get("decode_tokens", 0.0), 1e-9),
+                c.get("decode_ctx", 0.0),
+            )
+            target = budget.step_target_ms / 1000.0 or step_target_s
+            self.adaptive = AdaptiveBudget(seed, budget.step_budget, target)
         io = DiskIO(lambda blocks, payloads: None, block_size) if disk is not None else None
         self.core = ExecutorCore(
             self.runner,
@@ -253,7 +268,11 @@ class SimExecutor:
             self.gather_t0 = self.loop.now
             self.loop.at(self.loop.now + self.core.burst_wait_s, self._gathered, wait)
             return
-        plan = self.runner.plan()
+        cap = None
+        table = self.runner.requests
+        if self.adaptive is not None and table.prefilling:
+            cap = self.adaptive.cap(*table.decode_load())
+        plan = self.runner.plan(cap)
         if plan is None or not (plan.decodes or plan.chunks):
             self.busy = False  # idle, or every decode waits for a block: the next message wakes us
             return
@@ -269,11 +288,22 @@ class SimExecutor:
         )
         self.core.planned([r.rid for r in plan.completing()])
         self._flush()
-        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, shape, dt, drafts)
+        self.loop.at(self.loop.now + max(dt, 1e-6), self._step_done, plan, shape, dt, drafts, cap)
 
     def _step_done(
-        self, plan: StepPlan, shape: StepShape, dt: float, drafts: dict[str, tuple[int, int]]
+        self,
+        plan: StepPlan,
+        shape: StepShape,
+        dt: float,
+        drafts: dict[str, tuple[int, int]],
+        cap: int | None = None,
     ) -> None:
-        self.core.stepped(self.runner.finish(plan, shape, dt, drafts), dt, 0.0)
+        result = self.runner.finish(plan, shape, dt, drafts)
+        result.prefill_cap = cap
+        if self.adaptive is not None:
+            rows = shape.decodes + sum(d for d, _ in drafts.values())
+            if self.adaptive.observe(shape.prefill_tokens, rows, shape.decode_ctx, dt):
+                result.refit = self.adaptive.costs
+        self.core.stepped(result, dt, 0.0)
         self._flush()
         self._iterate()

@@ -36,6 +36,8 @@ REPLAYABLE = (
     ("executor", "long_prefill_threshold"),
     ("executor", "max_long_prefills"),
     ("executor", "decode_first"),
+    ("executor", "budget_policy"),
+    ("executor", "step_target_ms"),
 )
 KNOBS: dict[str, Option] = {o.flag: o for o in options() if o.path in REPLAYABLE}
 
@@ -174,6 +176,7 @@ def replay(
         cfg.disk,
         seqs.spec,
         max((d for s in rec.requests for d, _ in s.spec), default=0),
+        cfg.step_target_s,
     )
     if cfg.disk is not None:  # what the recorded run found on disk: the blocks it loaded
         kv.handle(disk_found(rec.requests, seqs, cfg))

@@ -103,6 +103,7 @@ class Config:
     num_blocks: int
     burst_wait_ms: float = 0.0  # the executor's wait for a burst at idle (0 in older logs)
     disk: DiskModel | None = None  # the prefix cache's disk tier, when the run had one
+    step_target_s: float = 0.0  # the adaptive budget's step time, as the run resolved it
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -115,6 +116,8 @@ class Config:
             "long_prefill_threshold": self.budget.long_prefill_threshold,
             "max_long_prefills": self.budget.max_long_prefills,
             "decode_first": self.budget.decode_first,
+            "budget_policy": self.budget.budget_policy,
+            "step_target_ms": self.budget.step_target_ms,
             "burst_wait_ms": self.burst_wait_ms,
         }
 
@@ -163,7 +166,8 @@ def _config(events: list[dict[str, Any]], notes: list[str]) -> Config:
     if disk is not None:
         kv.disk_dir, kv.disk_bytes = "(replay)", disk.capacity
     burst = float(xc.get("burst_wait_ms", 0.0))
-    return Config(sched, kv, budget, int(kc["num_blocks"]), burst, disk)
+    target = float(xc.get("step_target_s") or 0.0)
+    return Config(sched, kv, budget, int(kc["num_blocks"]), burst, disk, target)
 
 
 def from_events(

@@ -130,6 +130,22 @@ class ExecutorConfig:
     max_long_prefills: int = field(
         default=1, metadata=doc("long prompts prefilling in the same step, at most")
     )
+    budget_policy: str = field(
+        default="adaptive",
+        metadata=doc(
+            "each step's prefill tokens: adaptive (what a step-time target leaves once the "
+            "decodes are priced, from a model fitted online; gpu/step_budget.py) or fixed "
+            "(--step-budget)",
+            choices=("adaptive", "fixed"),
+        ),
+    )
+    step_target_ms: float = field(
+        default=0.0,
+        metadata=doc(
+            "adaptive budget: the step time to keep to (0: 20x a one-row forward, so a step's "
+            "fixed cost stays within 5%% of it)"
+        ),
+    )
     decode_first: bool = field(
         default=True,
         metadata=doc(

@@ -89,10 +89,19 @@ def _timed(run: Callable[[int], None], rows: int) -> float:
     return time.perf_counter() - t0
 
 
-def model_forward(model, spec, kv_dtype: torch.dtype, device: torch.device, block_size: int):
-    """``run(rows)`` for :func:`measure`: the model's forward over ``rows`` tokens with logits
-    for each, on a scratch KV cache of its own (the executor's pool is not touched)."""
-    nblk = -(-max(LADDER) // block_size)
+def model_forward(
+    model,
+    spec,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    most: int = 0,
+    all_logits: bool = True,
+):
+    """``run(rows)`` for :func:`measure`: the model's forward over ``rows`` tokens (at most
+    ``most``, default the ladder's top) with logits for each (``all_logits``; else for the last,
+    as a prefill), on a scratch KV cache of its own (the executor's pool is not touched)."""
+    nblk = -(-max(most, *LADDER) // block_size)
     cache = PagedKVCache(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, nblk, block_size, kv_dtype, device
     )
@@ -102,7 +111,7 @@ def model_forward(model, spec, kv_dtype: torch.dtype, device: torch.device, bloc
         meta = build_metadata([], [(table, 0, rows)], cache, kv_dtype, device)
         ids = torch.zeros(rows, dtype=torch.long, device=device)
         pos = torch.arange(rows, device=device)
-        logits = model.forward(ids, pos, meta, cache, pos)
+        logits = model.forward(ids, pos, meta, cache, pos if all_logits else pos[-1:])
         float(logits[-1, 0])  # waits for the device
 
     return run
