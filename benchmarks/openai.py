@@ -1,11 +1,16 @@
 """``scripts/bench-openai``: minirt's OpenAI API and vLLM's OpenAI server side by side, driven by
-one established client (``vllm bench serve``) on the same model and the same workloads, one server
-after the other in one run; plus what the HTTP layer costs (the same workload through minirt's
-ZeroMQ client and through its HTTP API, same run). Writes Markdown + PNG + JSON to ``--out``.
+one established client (``vllm bench serve``) on the same model and the same workloads, in
+interleaved rounds (each round starts each server afresh, one after the other), with paired
+ratios per round; plus what the HTTP layer costs (the same workload through minirt's ZeroMQ
+client and through its HTTP API, same run). Writes Markdown + PNG + JSON to ``--out``.
 
 Workloads (``--dataset-name random``, the model directory as tokenizer, ``--ignore-eos``, greedy):
 W1-like (64 requests, prompts 32..256 tokens, 64 output tokens, all at once) and a Poisson rate
-sweep of the same requests. Run it on a quiet machine; ``--quick`` is a smoke test.
+sweep of the same requests, with goodput (``vllm bench serve --goodput``: requests meeting the
+TTFT and TPOT objectives). Both servers get the same KV bytes (``--kv-gib``); vLLM runs as its
+CPU docs advise (tcmalloc preloaded, OpenMP threads bound). ``--variant`` adds minirt servers
+with other flags (e.g. the fixed step budget). Run it on a quiet machine; ``--quick`` is a smoke
+test.
 """
 
 from __future__ import annotations
@@ -48,6 +53,23 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="extra vLLM server flags (on CPU the memory fraction is of the machine's memory)",
     )
     p.add_argument("--no-http-cost", action="store_true", help="skip the ZMQ vs HTTP runs")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every server")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another minirt server with these extra flags (after --minirt-flags), e.g. "
+        "'minirt-fixed=--budget-policy fixed'",
+    )
+    p.add_argument(
+        "--kv-gib", type=int, default=1, help="KV cache of each server, GiB (the same bytes)"
+    )
+    p.add_argument(
+        "--goodput",
+        default="ttft:2000 tpot:100",
+        help="service-level objectives of the goodput column (vllm bench serve --goodput)",
+    )
     p.add_argument("--work", default=str(WORK), help="venvs, run dirs and logs go here")
     p.add_argument(
         "--quick", action="store_true", help="smoke test: 4 prompts, 16 tokens, one rate"
@@ -55,6 +77,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.num_prompts, a.output_len, a.sweep = 4, 16, "4"
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
+    for v in a.variant:
+        if "=" not in v or not v.split("=", 1)[0]:
+            p.error(f"--variant {v!r}: want NAME=FLAGS")
     return a
 
 
@@ -69,16 +96,20 @@ def client_args(a: argparse.Namespace, rate: str, n: int | None = None) -> list[
     return [
         "--num-prompts", str(n or a.num_prompts), "--random-input-len", str(a.input_len),
         "--random-output-len", str(a.output_len), "--random-range-ratio", ratio,
-        "--request-rate", rate, "--seed", "0",
+        "--request-rate", rate, "--seed", "0", "--goodput", *a.goodput.split(),
     ]  # fmt: skip
 
 
 @contextmanager
-def minirt_server(a: argparse.Namespace, model: Path, work: Path) -> Iterator[tuple[str, Any]]:
+def minirt_server(
+    a: argparse.Namespace, model: Path, work: Path, extra: str = ""
+) -> Iterator[tuple[str, Any]]:
     from actors.launch.launch import start_runtime
 
     port = free_port()
-    flags = ["--http-port", str(port), *shlex.split(a.minirt_flags)]
+    kv = str(a.kv_gib << 30)
+    flags = ["--http-port", str(port), "--kv-memory", kv, *shlex.split(a.minirt_flags)]
+    flags += shlex.split(extra)
     run = work / f"run-minirt-{int(time.time())}"
     with start_runtime(model, run, *flags, timeout=600) as rt:
         url = f"http://127.0.0.1:{port}"
@@ -113,25 +144,32 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work).absolute()
     work.mkdir(parents=True, exist_ok=True)
     model = Path(a.model).absolute() if a.model else default_bench_model()
+    variants = dict(v.split("=", 1) for v in a.variant)
     servers = [s for s in a.servers.split(",") if s]
+    servers[1:1] = [v for v in variants if v not in servers]  # after minirt, before vLLM
+    for name in servers:
+        if name not in ("minirt", "vllm") and name not in variants:
+            raise SystemExit(f"--servers: unknown server {name!r} (minirt, vllm, a --variant)")
     client = ensure_venv(work / "client")
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {name: {"rounds": []} for name in servers}
     cost: list[dict[str, Any]] = []
     threads = f"0-{len(os.sched_getaffinity(0)) - 1}"
-    for name in servers:
-        if name == "minirt":
-            with minirt_server(a, model, work) as (url, rt):
-                results[name] = run_server(a, name, url, model, client, work)
-                if not a.no_http_cost:
-                    cost = http_cost(a, model, url, rt)
-        elif name == "vllm":
-            py = ensure_venv(work / "vllm")
-            log = work / "vllm-server.log"
-            flags = shlex.split(a.vllm_flags)
-            with vllm_server(py, model, free_port(), log, threads, flags) as url:
-                results[name] = run_server(a, name, url, model, client, work)
-        else:
-            raise SystemExit(f"--servers: unknown server {name!r} (minirt, vllm)")
+    for rnd in range(a.rounds):
+        for name in servers:
+            print(f"round {rnd + 1}/{a.rounds}: {name}", file=sys.stderr)
+            if name == "vllm":
+                py = ensure_venv(work / "vllm")
+                log = work / "vllm-server.log"
+                flags = shlex.split(a.vllm_flags)
+                kv = {"VLLM_CPU_KVCACHE_SPACE": str(a.kv_gib)}
+                with vllm_server(py, model, free_port(), log, threads, flags, kv) as url:
+                    got = run_server(a, name, url, model, client, work)
+            else:
+                with minirt_server(a, model, work, variants.get(name, "")) as (url, rt):
+                    got = run_server(a, name, url, model, client, work)
+                    if name == "minirt" and rnd == 0 and not a.no_http_cost:
+                        cost = http_cost(a, model, url, rt)
+            results[name]["rounds"].append(got)
     command = "scripts/bench-openai " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     path = write_report(Path(a.out), command.strip(), a, model, results, cost)
     print(f"report: {path}", file=sys.stderr)

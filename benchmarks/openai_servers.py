@@ -119,7 +119,13 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 @contextmanager
 def vllm_server(
-    py: Path, model: Path, port: int, log_path: Path, threads: str, flags: list[str]
+    py: Path,
+    model: Path,
+    port: int,
+    log_path: Path,
+    threads: str,
+    flags: list[str],
+    env_extra: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1:``port``; yields its URL once /health answers. On CPU
     ``--gpu-memory-utilization`` is the fraction of the machine's memory it reserves (for the
@@ -129,7 +135,7 @@ def vllm_server(
         "--model", str(model), "--dtype", "float32", "--block-size", "64",
         "--host", "127.0.0.1", "--port", str(port), *flags,
     ]  # fmt: skip
-    env = vllm_env(threads)
+    env = vllm_env(threads, **(env_extra or {}))
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
