@@ -83,6 +83,11 @@ def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _two(r: dict[str, Any]) -> dict[str, Any]:
+    """A ratio row with two decimals."""
+    return {k: f"{v:.2f}" if isinstance(v, float) else v for k, v in r.items()}
+
+
 def _ratio(ratios: list[dict[str, Any]]) -> str:
     """One line per minirt server: its paired ratios' range over the rounds."""
     lines = []
@@ -247,7 +252,7 @@ def write_report(
         f"{a.output_len} output tokens\n",
         table(w1, ["round", *COLS]),
         _ratio(ratios),
-        table(ratios, RATIO_COLS) if ratios else "",
+        table([_two(r) for r in ratios], RATIO_COLS) if ratios else "",
     ]
     if sweep_rows:
         md.append(f"## Rate sweep (Poisson arrivals, {a.num_prompts} requests per rate)\n")
@@ -266,11 +271,24 @@ def write_report(
         ]
     md += [f"![{p}]({p})\n" for p in pngs]
     (out / "report.json").write_text(
-        json.dumps({"command": command, "results": results, "http_cost": cost}, indent=1)
+        json.dumps({"command": command, "results": slim(results), "http_cost": cost}, indent=1)
     )
     path = out / "README.md"
     path.write_text("\n".join(md))
     return path
+
+
+BULKY = ("itls", "generated_texts")  # per token / per text: the rest stays per request
+
+
+def slim(results: dict[str, Any]) -> dict[str, Any]:
+    """The client's results without the per-token lists (each request's TTFT, latency and
+    lengths stay)."""
+    if isinstance(results, dict):
+        return {k: slim(v) for k, v in results.items() if k not in BULKY}
+    if isinstance(results, list):
+        return [slim(v) for v in results]
+    return results
 
 
 def _cpu_name() -> str:

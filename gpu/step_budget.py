@@ -19,9 +19,12 @@ and is refitted every ``REFIT_EVERY`` steps on the last ``WINDOW`` steps, by the
 non-negative least squares (``actors.replay.stepmodel``); a cost the window cannot tell (no
 prefill in it) keeps the start's value, and the fitted per-token costs stay within
 ``[1/2, 4]`` of the start's (a busy machine slows steps; it does not make them free). The target,
-unless given (``--step-target-ms``), is the one-row forward over ``AUTO_SHARE``: the smallest
-steps whose fixed cost (reading every weight once) is at most that share of the step, so chunking
-costs little throughput. Pure: the executor and the replay drive it.
+unless given (``--step-target-ms``), is what a step prefilling ``AUTO_TOKENS`` prompt tokens
+alone costs by the start's model (about vLLM's chunk on CPU; measured against 150, 300 and 600 ms
+targets and 20x a one-row forward on SmolLM2, docs/benchmarks/openai-smollm2: smaller steps lose
+throughput to the per-step cost and to the decode rows that ride in every step, and bring the
+median first token no earlier, which the prefill rate bounds). Pure: the executor and the replay
+drive it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 from actors.replay.stepmodel import _robust
 
 MIN_PREFILL = 64
-AUTO_SHARE = 0.05
+AUTO_TOKENS = 1024
 WINDOW = 512
 REFIT_EVERY = 32
 MIN_STEPS = 24
@@ -93,7 +96,7 @@ class AdaptiveBudget:
         self.seed = seed
         self.costs = seed
         self.step_budget = step_budget
-        self.target_s = target_s if target_s > 0 else (seed.c0 + seed.decode) / AUTO_SHARE
+        self.target_s = target_s if target_s > 0 else seed.predict(AUTO_TOKENS, 0, 0)
         self.rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self.since_fit = 0
         self.fits = 0

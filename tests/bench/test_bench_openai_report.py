@@ -56,6 +56,7 @@ def test_ratios_are_paired_within_each_round(tmp_path) -> None:
         {"server": "minirt", "round": 1, "throughput_x": 0.5, "ttft_p50_x": 0.25,
          "tpot_p50_x": 1.0, "tpot_p99_x": 2.0}
     ]  # fmt: skip
+    assert "| minirt | 2 | 1.25 | 1.20 | 1.00 | 1.00 |" in md  # round 2, two decimals
     assert "| 2 | 2 | minirt | 64 | 0 | 118.0 |" in md  # the sweep: rate, round, server
     assert "goodput_req_s" in md and "| 1.8 |" in md
     assert "tcmalloc preloaded" in md and "1 GiB of KV cache" in md

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gpu.step_budget import (
-    AUTO_SHARE,
+    AUTO_TOKENS,
     MIN_PREFILL,
     REFIT_EVERY,
     AdaptiveBudget,
@@ -23,8 +23,9 @@ def test_seed_from_two_forwards():
     c = seed_costs(0.020, 0.020 + 255 * 0.0005)
     assert c.prefill == pytest.approx(0.0005) and c.decode == pytest.approx(0.0005)
     assert c.c0 == pytest.approx(0.0195)
-    # the default target: a step whose fixed cost is AUTO_SHARE of it
-    assert AdaptiveBudget(c, 8192).target_s == pytest.approx(0.020 / AUTO_SHARE)
+    # the default target: a step prefilling AUTO_TOKENS alone
+    assert AdaptiveBudget(c, 8192).target_s == pytest.approx(0.0195 + AUTO_TOKENS * 0.0005)
+    assert AdaptiveBudget(c, 8192).cap(0, 0) == AUTO_TOKENS
 
 
 def test_cap_is_what_the_target_leaves_once_decodes_are_priced():
