@@ -92,7 +92,7 @@ setup(
         CppExtension(
             "gpu._kernels",
             [str(CSRC / "ops.cpp")],
-            extra_compile_args=["-O2", *(["-DMINIRT_X86_VARIANTS"] if X86 else [])],
+            extra_compile_args=["-O2", "-fopenmp", *(["-DMINIRT_X86_VARIANTS"] if X86 else [])],
             extra_link_args=[gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}", "-lm"],
         )
     ],

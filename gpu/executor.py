@@ -14,6 +14,7 @@ attention are their own files.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu import loader, step_batch
+from gpu import kernels, loader, step_batch
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, loaded_pool
 from gpu.logits_processors import LogitsProcessors
@@ -92,6 +93,7 @@ class Executor:
         spec_rows: int | None = None,
         budget_policy: str = "fixed",
         step_target_ms: float = 0.0,
+        bind_threads: bool = False,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -111,6 +113,13 @@ class Executor:
             raise ValueError("block_size must be >= 1")
         self.device = loader.resolve_device(device)
         loader.tune_process(self.device)
+        # --bind-threads: each OpenMP thread pinned to one CPU (this thread, which runs the
+        # steps, to the first); the CPUs before, for threads that should not be pinned
+        self.cpus_before_bind: list[int] | None = None
+        self.bound_cpus: list[int] | None = None
+        if bind_threads and self.device.type == "cpu":
+            self.cpus_before_bind = sorted(os.sched_getaffinity(0))
+            self.bound_cpus = list(kernels.library().bind_threads(self.cpus_before_bind))
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec
@@ -201,6 +210,7 @@ class Executor:
             spec_rows=x.spec_max_rows or None,
             budget_policy=x.budget_policy,
             step_target_ms=x.step_target_ms,
+            bind_threads=x.bind_threads,
         )
 
     # ---- request management -------------------------------------------------------------

@@ -98,8 +98,14 @@ def _serve_off_main(actor: Any) -> None:
             stop["token"], stop["fn"] = trio.lowlevel.current_trio_token(), on_signal
             await trio.sleep_forever()
 
+    # --bind-threads pinned the main thread (the steps) to one CPU: trio's thread, made by it,
+    # takes back every CPU the process had
+    cpus = getattr(getattr(actor, "ex", None), "cpus_before_bind", None)
+
     def trio_thread() -> None:
         try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
             trio.run(serve)
         except BaseException as e:  # re-raised on the main thread
             failure.append(e)

@@ -146,6 +146,13 @@ class ExecutorConfig:
             "tokens alone takes, timed at start)"
         ),
     )
+    bind_threads: bool = field(
+        default=False,
+        metadata=doc(
+            "pin each of the executor's OpenMP threads to one CPU (the one running the steps to "
+            "the first), as vLLM's CPU worker binds its threads"
+        ),
+    )
     decode_first: bool = field(
         default=True,
         metadata=doc(

@@ -6,6 +6,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <omp.h>
+#include <sched.h>
+
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -274,6 +277,26 @@ std::vector<std::string> isas() {
     return out;
 }
 
+// Pin each thread of the OpenMP pool (torch's: the kernels link its libgomp, setup.py) to one
+// CPU, thread i to cpus[i % n], as vLLM's CPU worker binds its threads; the calling thread is the
+// pool's thread 0. Returns the CPU each thread got, -1 where the kernel refused.
+std::vector<int64_t> bind_threads(std::vector<int64_t> cpus) {
+    TORCH_CHECK(!cpus.empty(), "bind_threads: cpus must not be empty");
+    for (auto c : cpus) TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "bind_threads: no CPU ", c);
+    int n = omp_get_max_threads();
+    std::vector<int64_t> got(n, -1);
+#pragma omp parallel num_threads(n)
+    {
+        int t = omp_get_thread_num();
+        int64_t cpu = cpus[t % cpus.size()];
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(static_cast<int>(cpu), &set);
+        if (sched_setaffinity(0, sizeof(set), &set) == 0) got[t] = cpu;
+    }
+    return got;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minirt, m) {
@@ -290,6 +313,7 @@ TORCH_LIBRARY(minirt, m) {
     m.def("isa() -> str", &isa);
     m.def("isas() -> str[]", &isas);
     m.def("use_isa(str name) -> str", &use_isa);
+    m.def("bind_threads(int[] cpus) -> int[]", &bind_threads);
 }
 
 TORCH_LIBRARY_IMPL(minirt, CPU, m) {
