@@ -26,6 +26,7 @@ from actors.runtime.config import RuntimeConfig
 from gpu import disk_jobs
 from gpu.core import ExecutorCore
 from gpu.executor import Executor, StepResult
+from gpu.from_config import executor_from_config
 from gpu.kernels import isa as kernel_isa
 from gpu.paged_kernel import usable
 from gpu.structured.builds import GrammarBuilt, build_grammar
@@ -39,7 +40,7 @@ class ExecutorActor(Actor):
 
     def __init__(self, cfg: RuntimeConfig, executor: Executor | None = None) -> None:
         super().__init__(cfg)
-        self.ex = executor or Executor.from_config(cfg)
+        self.ex = executor or executor_from_config(cfg)
         self.grammars = self.ex.structured.cache
         spec = self.ex.speculative  # room for a step's drafts, asked beyond the lookahead
         self.store = disk_jobs.open_store(cfg, self.ex) if cfg.kv.disk_dir else None

@@ -86,3 +86,15 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         madvise(start, length, _MADV_HUGEPAGE)  # advice only: failure changes nothing
     return out.zero_()
+
+
+def bind_threads() -> tuple[list[int], list[int]]:
+    """Pin each thread of torch's OpenMP pool to one of this process's CPUs, the calling thread
+    (OpenMP's thread 0) to the first (``minirt.bind_threads``, as vLLM's CPU worker binds its
+    threads). Returns the CPUs before, and the CPU each pool thread got (-1: refused)."""
+    import os
+
+    from gpu import kernels
+
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus, list(kernels.library().bind_threads(cpus))

@@ -14,16 +14,14 @@ attention are their own files.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from gpu import kernels, loader, step_batch
+from gpu import cpu_tuning, loader, step_batch
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache, loaded_pool
 from gpu.logits_processors import LogitsProcessors
@@ -49,9 +47,6 @@ from gpu.structured.engine import StructuredEngine
 from gpu.structured.grammar import Compiled
 from messages.common import SamplingParams
 from messages.executor import Run
-
-if TYPE_CHECKING:
-    from actors.runtime.config import RuntimeConfig
 
 __all__ = ["Executor", "ExecutorInputError", "StepResult", "TokenOutput"]
 
@@ -118,8 +113,7 @@ class Executor:
         self.cpus_before_bind: list[int] | None = None
         self.bound_cpus: list[int] | None = None
         if bind_threads and self.device.type == "cpu":
-            self.cpus_before_bind = sorted(os.sched_getaffinity(0))
-            self.bound_cpus = list(kernels.library().bind_threads(self.cpus_before_bind))
+            self.cpus_before_bind, self.bound_cpus = cpu_tuning.bind_threads()
         self.dtype = loader.resolve_dtype(dtype, self.device)
         spec = loader.load_spec(model_dir)
         self.spec = spec
@@ -182,35 +176,6 @@ class Executor:
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, list(self.eos_token_ids), self.device
-        )
-
-    @classmethod
-    def from_config(cls, cfg: RuntimeConfig) -> Executor:
-        """The executor a runtime's configuration describes (its executor, KV and scheduler
-        sections, the model and its context)."""
-        from gpu.kv_cache import resolve_num_blocks
-
-        x = cfg.executor
-        return cls(
-            cfg.model,
-            dtype=x.dtype,
-            device=x.device,
-            num_blocks=resolve_num_blocks(cfg),
-            block_size=cfg.kv.block_size,
-            chunk_cap=x.chunk_cap,
-            step_budget=x.step_budget,
-            max_batch_size=cfg.scheduler.max_batch_size,
-            long_prefill_threshold=x.long_prefill_threshold,
-            max_long_prefills=x.max_long_prefills,
-            decode_first=x.decode_first,
-            threads=x.threads,
-            max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=x.gpu_memory_utilization,
-            speculative=x.speculative_config,
-            spec_rows=x.spec_max_rows or None,
-            budget_policy=x.budget_policy,
-            step_target_ms=x.step_target_ms,
-            bind_threads=x.bind_threads,
         )
 
     # ---- request management -------------------------------------------------------------
