@@ -161,14 +161,19 @@ async def test_dashboard_shows_the_schedulers_decisions_live(tiny_model, tmp_pat
             caps = "&".join(f"cap_{k}={v}" for k, v in CAPS.items()) + "&window_s=30&refresh_ms=200"
             base = f"{hr.url}/dashboard"  # the HTTP API's server, with its API key
             await trio.to_thread.run_sync(drv.get, f"{base}?{caps}")
-            assert "API key" in drv.page_source  # 401 without the key
+
+            async def key_asked() -> bool:  # 401 without the key; a busy machine may show
+                src = await trio.to_thread.run_sync(lambda: drv.page_source)  # it late
+                return "API key" in src
+
+            await wait_until(key_asked, timeout=20, interval=0.2)
             await trio.to_thread.run_sync(drv.get, f"{base}?key={key}&{caps}")
-            assert "key=" not in drv.current_url  # the cookie holds it now
 
             async def connected() -> bool:
                 return (await _dom(drv, "return MR.stats().conn")) == "live"
 
             await wait_until(connected, timeout=20, interval=0.1)
+            assert "key=" not in drv.current_url  # the page is live: the cookie holds the key
             t_open = trio.current_time()
 
             ids = ["dash-a", "dash-b", "dash-c"]
