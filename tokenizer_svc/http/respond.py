@@ -10,7 +10,8 @@ which cancels them in the front door and frees their KV blocks.
 
 from __future__ import annotations
 
-import math
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -24,7 +25,7 @@ from tokenizer_svc.http.errors import ApiError
 from tokenizer_svc.http.model import ModelInfo
 from tokenizer_svc.http.shapes import Choices, chat_body, completion_body
 from tokenizer_svc.http.sse import StreamWriter, body
-from tokenizer_svc.http.upstream import Upstream, run_choices
+from tokenizer_svc.http.upstream import Upstream, choice_messages
 
 _encode = msgspec.json.Encoder().encode
 
@@ -57,13 +58,11 @@ class PlanResponse:
         self.info["upstream_ids"] = [c.generate.request_id for c in self.plan.choices]
         error: ApiError | None = None
         try:
-            async with self.upstream.use() as client:
-                send_items, items = trio.open_memory_channel[tuple[int, Any]](math.inf)
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(run_choices, client, self.plan, send_items)
+            async with self.upstream.use() as client, trio.open_nursery() as nursery:
+                async with aclosing(choice_messages(client, self.plan, nursery)) as items:
                     run = self._stream if self.plan.stream else self._collect
                     error = await run(scope, receive, send, items, nursery)
-                    nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
         except ApiError as e:
             error = e
         if error is not None:
@@ -114,7 +113,7 @@ class PlanResponse:
         scope: Scope,
         receive: Receive,
         send: Send,
-        items: trio.MemoryReceiveChannel[tuple[int, Any]],
+        items: AsyncIterator[tuple[int, Any]],
         nursery: trio.Nursery,
     ) -> ApiError | None:
         watch = self._watching(receive, nursery)
@@ -132,7 +131,7 @@ class PlanResponse:
         scope: Scope,
         receive: Receive,
         send: Send,
-        items: trio.MemoryReceiveChannel[tuple[int, Any]],
+        items: AsyncIterator[tuple[int, Any]],
         nursery: trio.Nursery,
     ) -> ApiError | None:
         writer = StreamWriter(self.plan, self.choices, self.model, self.rid)

@@ -147,7 +147,7 @@ def _delta(ev: tuple, cid: str) -> dict[str, Any]:
 async def body(
     writer: StreamWriter,
     first: list[bytes],
-    items: trio.MemoryReceiveChannel[tuple[int, Any]],
+    items: AsyncIterator[tuple[int, Any]],
 ) -> AsyncIterator[bytes]:
     """The response body: frames already made, then one per message, then the end."""
     for f in first:

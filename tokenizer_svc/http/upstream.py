@@ -8,6 +8,7 @@ ended (the client fails them as ``actor_dead``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -112,6 +113,34 @@ class Upstream:
                 self._poke()
 
 
+async def choice_messages(
+    client: AsyncClient, plan: Plan, nursery: trio.Nursery
+) -> AsyncIterator[tuple[int, Any]]:
+    """``(index, message)`` for every choice of ``plan`` as ``run_choices`` sends them. One
+    choice (nearly every request) is read in the caller's task: each token wakes one task, the
+    one that writes the stream, not a relay task as well. Several run in ``nursery``, through a
+    channel. Close it (``aclosing``) to cancel what is still running upstream."""
+    if len(plan.choices) == 1:
+        c = plan.choices[0]
+        try:
+            async with aclosing(client.stream(c.generate)) as stream:
+                async for msg in stream:
+                    yield c.index, msg
+        except RequestError as e:
+            yield c.index, _refusal(plan, c, e)
+        return
+    send, items = trio.open_memory_channel[tuple[int, Any]](math.inf)
+    nursery.start_soon(run_choices, client, plan, send)
+    async with items:
+        async for item in items:
+            yield item
+
+
+def _refusal(plan: Plan, c: ChoiceSpec, e: RequestError) -> ApiError:
+    s = plan.spelling
+    return from_upstream(e.code, e.field, e.message, c.prompt_param, s.param, s.rename)
+
+
 async def run_choices(
     client: AsyncClient, plan: Plan, send: trio.MemorySendChannel[tuple[int, Any]]
 ) -> None:
@@ -136,6 +165,4 @@ async def _one(
             async for msg in stream:
                 await send.send((c.index, msg))
     except RequestError as e:
-        s = plan.spelling
-        refusal = from_upstream(e.code, e.field, e.message, c.prompt_param, s.param, s.rename)
-        await send.send((c.index, refusal))
+        await send.send((c.index, _refusal(plan, c, e)))
