@@ -49,9 +49,9 @@ def executor_alone(model: Path, prompts: list[list[int]], new: int) -> tuple[flo
 
 def vllm_tok_s(
     model: Path, prompts: list[list[int]], new: int, outs: list, ours: float
-) -> tuple[float, str]:
+) -> tuple[float, str, str]:
     """vLLM's tok/s on the prompts (with its prefix cache, as the pipeline has one), or 0 and
-    why it was skipped."""
+    why it was skipped; and how it ran (tcmalloc preloaded or not: its CPU docs' advice)."""
     from benchmarks.vllm_row import bench_row
     from gpu.loader import load_spec
 
@@ -66,8 +66,9 @@ def vllm_tok_s(
         prefix_caching=True,
     )
     if "vllm_tok_s" in v:
-        return float(v["vllm_tok_s"]), ""
-    return 0.0, str(v["vllm_skipped"])[-300:]
+        malloc = "tcmalloc" if "tcmalloc" in v["vllm_ld_preload"] else "glibc malloc: no tcmalloc"
+        return float(v["vllm_tok_s"]), "", f"{malloc}, OpenMP threads bound"
+    return 0.0, str(v["vllm_skipped"])[-300:], ""
 
 
 def hf_rows(model: Path, prompts: list[list[int]], new: int, n: int, dt: Any) -> list[dict]:
@@ -107,12 +108,12 @@ def compare(
     round's figures. Round 1's pipeline is the report's run (``first_pipeline_tok_s``); rounds
     after it call ``pipeline_again(round)``."""
     per: list[dict[str, Any]] = []
-    skipped, n, dt = "", 0, None
+    skipped, how, n, dt = "", "", 0, None
     for k in range(1, max(1, rounds) + 1):
         pipe = first_pipeline_tok_s if k == 1 else pipeline_again(k)
         ex_tok, outs, dt = executor_alone(model, prompts, new)
         n = sum(len(o) for o in outs)
-        v, skipped = vllm_tok_s(model, prompts, new, outs, ex_tok)
+        v, skipped, how = vllm_tok_s(model, prompts, new, outs, ex_tok)
         per.append(
             {
                 "round": k,
@@ -131,7 +132,7 @@ def compare(
     rows: list[dict[str, Any]] = [
         {"run": "minirt pipeline", "throughput_tok_s": pipe},
         {"run": EXECUTOR, "throughput_tok_s": med("executor_alone_tok_s")},
-        {"run": VLLM, "throughput_tok_s": med("vllm_tok_s")}
+        {"run": f"{VLLM} ({how})", "throughput_tok_s": med("vllm_tok_s")}
         if not skipped
         else {"run": f"vLLM skipped: {skipped}", "throughput_tok_s": 0.0},
     ]

@@ -12,6 +12,9 @@ Workloads (SmolLM2-135M-Instruct by default):
   (``actors.bench.workloads.code_edit``) and passages of ``pydoc_data.topics`` to quote back.
 - ``free``: free chat (questions written here, answers not in the prompt).
 - ``mixed``: both at once.
+- ``json``: structured output that copies its input: each ``pydoc_data`` passage asked back as a
+  JSON object (``response_format`` with a JSON schema: a ``topic`` and the ``quote``), so the
+  drafts are cut to what the grammar accepts and verified under its masks. Batches below 16.
 
 At batch ``b`` a workload's requests run ``b`` at a time. Reports output tokens/s, the paired
 ratio per round (with/without), the acceptance (``vllm:spec_decode_*`` from ``/metrics``) and
@@ -63,7 +66,27 @@ FREE = [
 ]
 
 
-def _quotes(tok: Any, n: int, seed: int) -> list[list[int]]:
+JSON_ASK = (
+    'Return a JSON object with the topic of the passage below in "topic" and the passage '
+    'itself, word for word, in "quote".\n\n'
+)
+QUOTE_ASK = "Quote the following passage back exactly, word for word:\n\n"
+JSON_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "quote",
+        "schema": {
+            "type": "object",
+            "properties": {"topic": {"type": "string"}, "quote": {"type": "string"}},
+            "required": ["topic", "quote"],
+            "additionalProperties": False,
+        },
+    },
+}
+EXTRA: dict[str, dict[str, Any]] = {"json": {"response_format": JSON_FORMAT}}
+
+
+def _quotes(tok: Any, n: int, seed: int, ask: str = QUOTE_ASK) -> list[list[int]]:
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
@@ -76,8 +99,7 @@ def _quotes(tok: Any, n: int, seed: int) -> list[list[int]]:
             continue
         start = rng.randrange(0, len(words) - 200)
         text = " ".join(words[start : start + 150])
-        ask = f"Quote the following passage back exactly, word for word:\n\n{text}"
-        out.append(render(tok, [{"role": "user", "content": ask}]))
+        out.append(render(tok, [{"role": "user", "content": ask + text}]))
         if len(out) == n:
             break
     return out
@@ -88,13 +110,20 @@ def workloads(tok: Any, seed: int = 0) -> dict[str, list[list[int]]]:
     grounded = [p for pair in zip(code, _quotes(tok, 8, seed), strict=True) for p in pair]
     free = [render(tok, [{"role": "user", "content": q}]) for q in FREE]
     mixed = [p for pair in zip(grounded, free, strict=True) for p in pair]
-    return {"grounded": grounded, "free": free, "mixed": mixed}
+    json_ = _quotes(tok, 8, seed + 1, JSON_ASK)
+    return {"grounded": grounded, "free": free, "mixed": mixed, "json": json_}
 
 
 async def run_batch(
-    url: str, model: str, prompts: list[list[int]], batch: int, max_tokens: int
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The prompts ``batch`` at a time; output tokens/s over the whole run, and the outputs."""
+    """The prompts ``batch`` at a time; output tokens/s over the whole run, and the outputs.
+    ``extra``: more fields of every request's body (``response_format``)."""
     limit = trio.CapacityLimiter(batch)
     outs: list[Any] = [None] * len(prompts)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -106,6 +135,7 @@ async def run_batch(
                     "prompt": prompts[i],
                     "max_tokens": max_tokens,
                     "temperature": 0,
+                    **(extra or {}),
                 }
                 r = await client.post("/v1/completions", json=body)
                 r.raise_for_status()
@@ -158,7 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     loads = workloads(tok)
     work = Path(a.work).absolute()
     batches = [int(b) for b in a.batches.split(",")]
-    plan = [(b, w) for b in batches for w in (["grounded", "free"] if b < 32 else ["mixed"])]
+
+    def kinds(b: int) -> list[str]:
+        return (
+            ["grounded", "free", "json"]
+            if b < 16
+            else ["grounded", "free"]
+            if b < 32
+            else ["mixed"]
+        )
+
+    plan = [(b, w) for b in batches for w in kinds(b)]
     results: dict[str, Any] = {"model": str(model), "spec": json.loads(a.spec), "runs": []}
     with ExitStack() as stack:
         urls = {}
@@ -179,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                 row: dict[str, Any] = {"round": rnd, "batch": b, "workload": w}
                 for name in order:
                     before = spec_counters(urls[name])
-                    got = trio.run(run_batch, urls[name], str(model), prompts, b, a.max_tokens)
+                    got = trio.run(
+                        run_batch, urls[name], str(model), prompts, b, a.max_tokens, EXTRA.get(w)
+                    )
                     after = spec_counters(urls[name])
                     row[name] = {k: v for k, v in got.items() if k != "texts"}
                     row[name]["texts"] = got["texts"]

@@ -247,8 +247,8 @@ class Executor:
             ),
             grammar=state,
         )
-        # drafts only where their verification is exact (gpu/spec/plan.py): no grammar, no penalty
-        exact = state is None and (req.procs is None or req.procs.history_free)
+        # drafts only where their verification is exact (gpu/spec/plan.py): no penalty
+        exact = req.procs is None or req.procs.history_free
         if self.speculative is not None and exact:
             req.ngram = NgramTokens(prompt)
         self.requests.add(req)
@@ -315,7 +315,8 @@ class Executor:
         )
         dev = self.device
         t1 = time.perf_counter()
-        masking = self.structured.start(samplers)  # the grammar masks, while the forward runs
+        # the grammar masks (a draft row's past the drafts before it), while the forward runs
+        masking = self.structured.start(samplers, batch.offsets, drafts)
         logits = self.model.forward(
             torch.tensor(batch.ids, dtype=torch.long, device=dev),
             torch.tensor(batch.pos, dtype=torch.long, device=dev),

@@ -11,12 +11,17 @@ A decode that speculates runs ``1 + k`` rows (its last token, then its ``k`` dra
   ``cheap_rows`` (``gpu/spec/cost.py``), decodes first come first served.
 
 A request speculates only when its sampling is exact under verification (``NgramTokens`` held;
-``gpu/executor.py`` decides at admission): no grammar and no penalty (which would have to see
-the drafts before each row); ``logit_bias``, ``min_tokens`` and logprobs are exact and allowed.
+``gpu/executor.py`` decides at admission): no penalty (which would have to see the drafts before
+each row); ``logit_bias``, ``min_tokens`` and logprobs are exact and allowed. A constrained
+request (structured output, required tool calls) drafts only the tokens its grammar accepts (the
+proposal is cut at the first it rejects), and each of its rows is masked as the grammar stands
+after the drafts before it (``gpu/structured/masks.py``), so its targets are the tokens it
+would emit without speculation.
 
 ``off``: why no decode speculates this step: ``batch`` (the step's rows already reach
-``cheap_rows``), ``budget`` (no step budget left), ``params`` (grammar or penalties),
-``room`` (no block room, or one output left), ``no_match`` (no n-gram found), ``no_decodes``.
+``cheap_rows``), ``budget`` (no step budget left), ``params`` (penalties), ``room`` (no block
+room, or one output left), ``no_match`` (no n-gram found), ``grammar`` (the grammar rejects the
+proposal's first token), ``no_decodes``.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ def plan_drafts(
         if not drafts:
             why["no_match"] += 1
             continue
+        if req.grammar is not None:  # verified only as far as the grammar takes them
+            drafts = drafts[: req.grammar.matcher.validate_tokens(drafts)]
+            if not drafts:
+                why["grammar"] += 1
+                continue
         plan.drafts[req.rid] = drafts
         left -= len(drafts)
     if not plan.drafts:

@@ -85,19 +85,30 @@ class StructuredEngine:
             self._masker = Masker(self.vocab_size, self.eos_ids, self.device, threads)
         return self._masker
 
-    def start(self, reqs: list[RequestState]) -> Future | None:
+    def start(
+        self,
+        reqs: list[RequestState],
+        offsets: list[int] | None = None,
+        drafts: dict[str, list[int]] | None = None,
+    ) -> Future | None:
         """Start filling the bitmask of the constrained rows among ``reqs`` (the step's sampling
         rows, their grammars already advanced by the previous step) in a worker thread, so it
-        runs while the forward does (llguidance releases the GIL). None: no constrained row."""
+        runs while the forward does (llguidance releases the GIL). None: no constrained row.
+        With speculative decoding, ``offsets`` (each row's output index past the request's
+        next) and ``drafts`` (per request id): a speculating request's rows are its next
+        token's and one per draft, each masked as the grammar stands after the drafts before."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
-        states = [reqs[i].grammar for i in rows]
-        no_eos = [_no_eos(reqs[i].params, reqs[i].prior + len(reqs[i].out)) for i in rows]
+        at = offsets or [0] * len(reqs)
+        firsts = [i for i in rows if at[i] == 0]  # a request's first row (its state's)
+        states = [reqs[i].grammar for i in firsts]
+        ahead = [(drafts or {}).get(reqs[i].rid, []) for i in firsts] if drafts else None
+        no_eos = [_no_eos(reqs[i].params, reqs[i].prior + len(reqs[i].out) + at[i]) for i in rows]
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="minirt-mask")
         masker = self.masker
-        return self._filler.submit(lambda: (rows, masker.fill(states, no_eos)))  # type: ignore[arg-type]
+        return self._filler.submit(lambda: (rows, masker.fill(states, no_eos, ahead)))  # type: ignore[arg-type]
 
     def mask(
         self, logits: torch.Tensor, reqs: list[RequestState], pending: Future | None

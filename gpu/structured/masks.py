@@ -14,6 +14,7 @@ not reached, take EOS away too, unless the grammar allows nothing else there.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -79,18 +80,41 @@ class Masker:
         self._buf = torch.zeros((0, self.words), dtype=torch.int32)
         self._table = _penalty_table(device)
 
-    def fill(self, states: list[GrammarState], no_eos: list[bool]) -> torch.Tensor:
-        """``[len(states), words]`` int32 bitmask (CPU) of the tokens each grammar allows next;
-        rows with ``no_eos`` lose EOS unless it is all the grammar allows."""
-        n = len(states)
+    def fill(
+        self,
+        states: list[GrammarState],
+        no_eos: list[bool],
+        drafts: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """Int32 bitmask (CPU) of the tokens each grammar allows next, a row per state; with
+        ``drafts`` (one list per state, speculative decoding), a state's row is followed by one
+        per draft token: what the grammar allows once it has consumed the drafts before it
+        (the drafts must be ones it accepts: ``gpu/spec/plan.py`` cuts them so). Rows with
+        ``no_eos`` (one flag per row) lose EOS unless it is all the grammar allows."""
+        n = len(no_eos)
         if self._buf.shape[0] < n:
             self._buf = torch.zeros((max(n, 2 * self._buf.shape[0]), self.words), dtype=torch.int32)
         mask = self._buf[:n]
+        drafts = drafts or [[]] * len(states)
+        plain: list[tuple[Any, int]] = []
+        ahead: list[tuple[Any, int, list[int]]] = []
+        row = 0
+        for s, d in zip(states, drafts, strict=True):
+            if d:
+                ahead.append((s.matcher, row, d))
+            else:
+                plain.append((s.matcher, row))
+            row += 1 + len(d)
         # What llguidance.torch.fill_next_token_bitmask_par does; that module is not imported:
         # its import builds a torch.compile kernel (1.6 s) that is never used here.
-        self.pool.unsafe_compute_mask_ptr(
-            [(s.matcher, i) for i, s in enumerate(states)], mask.data_ptr(), self.words * 4, n
-        )
+        if ahead:
+            mask.fill_(-1)  # a row past where a grammar stopped allows all (never emitted)
+        if plain:
+            self.pool.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.words * 4, n)
+        if ahead:  # llguidance advances each matcher through its drafts, then rolls it back
+            self.pool.unsafe_compute_mask_ptr_with_draft_token(
+                ahead, mask.data_ptr(), self.words * 4, n
+            )
         for i, ban in enumerate(no_eos):
             if ban and self.eos_ids:
                 self._drop_eos(mask[i])

@@ -51,7 +51,7 @@ def test_compare_rounds_interleave_the_systems_and_report_medians(
     (vLLM is left out here: it has its own venv and tests)."""
     from benchmarks import compare
 
-    monkeypatch.setattr(compare, "vllm_tok_s", lambda *a: (0.0, "not in this test"))
+    monkeypatch.setattr(compare, "vllm_tok_s", lambda *a: (0.0, "not in this test", ""))
     out = tmp_path / "report"
     argv = ["--start", "--model", str(tiny_model), "--workload", "w1", "--requests", "8"]
     assert main([*argv, "--compare", "--rounds", "2", "--out", str(out)]) == 0
@@ -74,6 +74,20 @@ def test_compare_rounds_interleave_the_systems_and_report_medians(
     # the rounds' table ends with each column's median, the ratios' medians the paired ones
     ratio = sorted(r["pipeline_over_executor"] for r in per)
     assert f"| median | {pipe:,.1f} |" in md and f"| {sum(ratio) / 2:.2f} |" in md
+
+
+def test_compare_names_how_vllm_ran(monkeypatch, tmp_path):
+    """The vLLM row says whether tcmalloc was preloaded, as vLLM's CPU docs advise."""
+    from benchmarks import compare, vllm_row
+
+    for preload, want in [
+        ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "tcmalloc, OpenMP threads bound"),
+        ("", "glibc malloc: no tcmalloc, OpenMP threads bound"),
+    ]:
+        row = {"vllm_tok_s": 100.0, "vllm_ld_preload": preload}
+        monkeypatch.setattr(vllm_row, "bench_row", lambda *a, r=row, **k: r)
+        monkeypatch.setattr("gpu.loader.load_spec", lambda m: type("S", (), {"max_model_len": 9}))
+        assert compare.vllm_tok_s(tmp_path, [[1]], 1, [[2]], 1.0) == (100.0, "", want)
 
 
 def test_every_bench_mode_runs_from_a_checkout_and_serve_ships_in_the_package(tmp_path):

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from gpu.executor import Executor
-from messages.common import SamplingParams
+from messages.common import SamplingParams, StructuredOutput
 from tests.support.runtime import hf_greedy
 
 SPEC = (
@@ -352,6 +352,74 @@ def test_exact_processors_and_logprobs_speculate(tiny_model):
     alone.add("r2", prompts[2], params[2])
     alone.run()
     assert {s.off for s in alone.spec_steps()} <= {"params", "no_decodes"}
+
+
+class Refused:
+    """Proposes one token, always the same (a token the request's grammar never takes first)."""
+
+    k = 0
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def settle(self, drafted: int, accepted: int, k_max: int) -> None:
+        pass
+
+    def extend(self, tokens) -> None:
+        pass
+
+    def propose(self, k: int, lo: int, hi: int) -> list[int]:
+        return [self.token]
+
+
+def test_structured_output_speculates_within_its_grammar(tiny_model):
+    """A constrained request drafts only what its grammar accepts, each draft row masked as the
+    grammar stands after the drafts before it: greedy and seeded, it emits what it emits without
+    speculation; a proposal the grammar refuses at once is not verified ("grammar")."""
+    rng = random.Random(29)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tags": {"type": "array", "items": {"enum": ["ab", "cd"]}, "maxItems": 4},
+        },
+        "required": ["name", "n", "tags"],
+        "additionalProperties": False,
+    }
+    shapes = [
+        StructuredOutput(json_schema=schema),
+        StructuredOutput(regex=r"([a-z]{2,5}-[0-9]{2} ){3,6}end"),
+    ]
+    samplings = [{}, {"temperature": 1.0, "seed": 7}, {"temperature": 0.8, "top_p": 0.9, "seed": 8}]
+    prompts, params = [], []
+    for i in range(7):
+        prompts.append([rng.randrange(3, 500) for _ in range(rng.randint(4, 20))])
+        params.append(SamplingParams(max_tokens=90, structured=shapes[i % 2], **samplings[i % 3]))
+    ref = reference(tiny_model, prompts, params)
+    assert set(ref.finish.values()) == {"stop"}  # every answer completed its grammar
+    r = Run(executor(tiny_model))
+    for i, p in enumerate(prompts):
+        wrong = {len(p) + 3, len(p) + 10, len(p) + 17}  # some drafts the model (or grammar) refuses
+        r.add(f"r{i}", p, params[i], oracle=Oracle(p + ref.outs[f"r{i}"], len(p), wrong))
+    r.ex.requests.get("r6").ngram = None  # one constrained request beside them never drafts
+    r.run()
+    assert r.outs == ref.outs and r.finish == ref.finish
+    per = Counter()
+    for s in r.spec_steps():
+        for rid, _, acc in s.per_request:
+            per[rid] += acc
+    assert set(per) == {f"r{i}" for i in range(6)} and all(per.values())  # each sped up
+    assert r.accepted() < r.drafted()  # and some drafts were refused
+    # a first draft the grammar refuses is never verified
+    alone = Run(executor(tiny_model))
+    alone.add("r0", prompts[0], params[0])
+    matcher = alone.ex.requests.get("r0").grammar.matcher
+    refused = next(t for t in range(512) if matcher.validate_tokens([t]) == 0)
+    alone.ex.requests.get("r0").ngram = Refused(refused)
+    alone.run()
+    assert alone.outs["r0"] == ref.outs["r0"] and alone.drafted() == 0
+    assert "grammar" in {s.off for s in alone.spec_steps()}
 
 
 def test_batch_past_cheap_rows_turns_speculation_off(tiny_model):

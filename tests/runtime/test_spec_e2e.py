@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from actors.client import open_client
+from messages.common import StructuredOutput
 from messages.scheduler import MetricsQuery, MetricsText
 from tests.support.runtime import hf_greedy, kv_stats, query, start_runtime, wait_until
 
@@ -82,3 +83,36 @@ async def test_speculating_runtime_is_exact_under_preemption(runtime, tiny_model
 async def _idle(runtime):
     s = await kv_stats(runtime)
     return s if s.in_use == 0 else None
+
+
+async def test_structured_requests_speculate_through_the_runtime(runtime):
+    """A constrained request speculates within its grammar end to end (the front door compiles
+    the constraint, the executor drafts what the grammar accepts): a grammar that repeats itself
+    gets drafts accepted, and every answer matches its grammar."""
+    pattern = r"(ab-){12}end"
+    reqs = [
+        dict(prompt_ids=p, max_tokens=64, temperature=t, seed=i, request_id=f"rx-{i}")
+        for i, (p, t) in enumerate(zip(_prompts(4, seed=9), (0.0, 0.0, 1.0, 0.7), strict=True))
+    ]
+    results: dict = {}
+    async with open_client(runtime.endpoint) as client:
+
+        async def one(r: dict) -> None:
+            results[r["request_id"]] = await client.generate(
+                **r, structured=StructuredOutput(regex=pattern)
+            )
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for r in reqs:
+                    nursery.start_soon(one, r)
+    for rid, res in results.items():
+        assert res.finish_reason == "stop" and re.fullmatch(pattern, res.text), (rid, res.text)
+    sped: dict[str, int] = {}
+    for e in runtime.events("executor.step"):
+        for rid, _, acc in e.get("spec") or []:
+            rid = rid.split("@")[0]  # the executor's id: the request's, then its run's
+            sped[rid] = sped.get(rid, 0) + acc
+    assert all(sped.get(f"rx-{i}", 0) > 0 for i in range(4)), sped
+    stats = await wait_until(lambda: _idle(runtime), timeout=30)
+    assert stats.in_use == 0
