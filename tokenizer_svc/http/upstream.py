@@ -119,7 +119,8 @@ async def choice_messages(
     """``(index, message)`` for every choice of ``plan`` as ``run_choices`` sends them. One
     choice (nearly every request) is read in the caller's task: each token wakes one task, the
     one that writes the stream, not a relay task as well. Several run in ``nursery``, through a
-    channel. Close it (``aclosing``) to cancel what is still running upstream."""
+    channel. Close it (``aclosing``), then cancel ``nursery``: what still runs upstream is
+    cancelled there."""
     if len(plan.choices) == 1:
         c = plan.choices[0]
         try:
@@ -131,9 +132,8 @@ async def choice_messages(
         return
     send, items = trio.open_memory_channel[tuple[int, Any]](math.inf)
     nursery.start_soon(run_choices, client, plan, send)
-    async with items:
-        async for item in items:
-            yield item
+    async for item in items:  # left open: choices still running when this closes are
+        yield item  # cancelled with ``nursery``, and never find it closed
 
 
 def _refusal(plan: Plan, c: ChoiceSpec, e: RequestError) -> ApiError:
