@@ -47,7 +47,7 @@ from tokenizer_svc.http.responses_stream import EventWriter
 if TYPE_CHECKING:
     from tokenizer_svc.http.app import Server
 
-Items = trio.MemoryReceiveChannel[tuple[int, Any]]
+Items = AsyncIterator[tuple[int, Any]]  # a response's choices' messages (upstream.choice_messages)
 
 
 def api_key_of(request: Request) -> str:

@@ -9,7 +9,7 @@ ended (the client fails them as ``actor_dead``).
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -115,7 +115,7 @@ class Upstream:
 
 async def choice_messages(
     client: AsyncClient, plan: Plan, nursery: trio.Nursery
-) -> AsyncIterator[tuple[int, Any]]:
+) -> AsyncGenerator[tuple[int, Any], None]:
     """``(index, message)`` for every choice of ``plan`` as ``run_choices`` sends them. One
     choice (nearly every request) is read in the caller's task: each token wakes one task, the
     one that writes the stream, not a relay task as well. Several run in ``nursery``, through a
@@ -124,7 +124,8 @@ async def choice_messages(
     if len(plan.choices) == 1:
         c = plan.choices[0]
         try:
-            async with aclosing(client.stream(c.generate)) as stream:
+            messages: Any = client.stream(c.generate)  # an async generator
+            async with aclosing(messages) as stream:
                 async for msg in stream:
                     yield c.index, msg
         except RequestError as e:
