@@ -103,7 +103,7 @@ class StructuredEngine:
         at = offsets or [0] * len(reqs)
         firsts = [i for i in rows if at[i] == 0]  # a request's first row (its state's)
         states = [reqs[i].grammar for i in firsts]
-        ahead = [(drafts or {}).get(reqs[i].rid, []) for i in firsts] if drafts else None
+        ahead = [drafts.get(reqs[i].rid, []) for i in firsts] if drafts else None
         no_eos = [_no_eos(reqs[i].params, reqs[i].prior + len(reqs[i].out) + at[i]) for i in rows]
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="minirt-mask")

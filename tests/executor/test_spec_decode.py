@@ -354,24 +354,6 @@ def test_exact_processors_and_logprobs_speculate(tiny_model):
     assert {s.off for s in alone.spec_steps()} <= {"params", "no_decodes"}
 
 
-class Refused:
-    """Proposes one token, always the same (a token the request's grammar never takes first)."""
-
-    k = 0
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-
-    def settle(self, drafted: int, accepted: int, k_max: int) -> None:
-        pass
-
-    def extend(self, tokens) -> None:
-        pass
-
-    def propose(self, k: int, lo: int, hi: int) -> list[int]:
-        return [self.token]
-
-
 def test_structured_output_speculates_within_its_grammar(tiny_model):
     """A constrained request drafts only what its grammar accepts, each draft row masked as the
     grammar stands after the drafts before it: greedy and seeded, it emits what it emits without
@@ -416,7 +398,7 @@ def test_structured_output_speculates_within_its_grammar(tiny_model):
     alone.add("r0", prompts[0], params[0])
     matcher = alone.ex.requests.get("r0").grammar.matcher
     refused = next(t for t in range(512) if matcher.validate_tokens([t]) == 0)
-    alone.ex.requests.get("r0").ngram = Refused(refused)
+    alone.ex.requests.get("r0").ngram = Oracle(prompts[0] + [refused] * 200, len(prompts[0]))
     alone.run()
     assert alone.outs["r0"] == ref.outs["r0"] and alone.drafted() == 0
     assert "grammar" in {s.off for s in alone.spec_steps()}

@@ -113,57 +113,56 @@ class Upstream:
                 self._poke()
 
 
-async def choice_messages(
+def choice_messages(
     client: AsyncClient, plan: Plan, nursery: trio.Nursery
 ) -> AsyncGenerator[tuple[int, Any], None]:
-    """``(index, message)`` for every choice of ``plan`` as ``run_choices`` sends them. One
-    choice (nearly every request) is read in the caller's task: each token wakes one task, the
-    one that writes the stream, not a relay task as well. Several run in ``nursery``, through a
-    channel. Close it (``aclosing``), then cancel ``nursery``: what still runs upstream is
-    cancelled there."""
+    """``(index, message)`` for every choice of ``plan``, or ``(index, ApiError)`` for a
+    refusal. One choice (nearly every request) is read in the caller's task: each token wakes
+    one task, the one that writes the stream, not a relay task as well. Several run in
+    ``nursery`` (``run_choices``), through a channel. Close it (``aclosing``), then cancel
+    ``nursery``: what still runs upstream is cancelled there."""
     if len(plan.choices) == 1:
-        c = plan.choices[0]
-        try:
-            messages: Any = client.stream(c.generate)  # an async generator
-            async with aclosing(messages) as stream:
-                async for msg in stream:
-                    yield c.index, msg
-        except RequestError as e:
-            yield c.index, _refusal(plan, c, e)
-        return
+        return _choice(client, plan, plan.choices[0])
+    return _relayed(client, plan, nursery)
+
+
+async def _choice(
+    client: AsyncClient, plan: Plan, c: ChoiceSpec
+) -> AsyncGenerator[tuple[int, Any], None]:
+    """One choice's messages; closing it cancels its request upstream."""
+    try:
+        messages: Any = client.stream(c.generate)  # an async generator: closed on cancel
+        async with aclosing(messages) as stream:
+            async for msg in stream:
+                yield c.index, msg
+    except RequestError as e:
+        s = plan.spelling
+        yield c.index, from_upstream(e.code, e.field, e.message, c.prompt_param, s.param, s.rename)
+
+
+async def _relayed(
+    client: AsyncClient, plan: Plan, nursery: trio.Nursery
+) -> AsyncGenerator[tuple[int, Any], None]:
     send, items = trio.open_memory_channel[tuple[int, Any]](math.inf)
     nursery.start_soon(run_choices, client, plan, send)
     async for item in items:  # left open: choices still running when this closes are
         yield item  # cancelled with ``nursery``, and never find it closed
 
 
-def _refusal(plan: Plan, c: ChoiceSpec, e: RequestError) -> ApiError:
-    s = plan.spelling
-    return from_upstream(e.code, e.field, e.message, c.prompt_param, s.param, s.rename)
-
-
 async def run_choices(
     client: AsyncClient, plan: Plan, send: trio.MemorySendChannel[tuple[int, Any]]
 ) -> None:
-    """Run every choice of ``plan`` at once; send ``(index, message)`` for each front-door
-    message, or ``(index, ApiError)`` for a refusal. Closes ``send`` when all have ended.
-    Cancelling this cancels every choice's request upstream."""
-    async with send:
-        if len(plan.choices) == 1:
-            await _one(client, plan, plan.choices[0], send)
-            return
-        async with trio.open_nursery() as nursery:
-            for c in plan.choices:
-                nursery.start_soon(_one, client, plan, c, send)
+    """Run every choice of ``plan`` at once; send what :func:`_choice` yields for each. Closes
+    ``send`` when all have ended. Cancelling this cancels every choice's request upstream."""
+    async with send, trio.open_nursery() as nursery:
+        for c in plan.choices:
+            nursery.start_soon(_relay, _choice(client, plan, c), send)
 
 
-async def _one(
-    client: AsyncClient, plan: Plan, c: ChoiceSpec, send: trio.MemorySendChannel[tuple[int, Any]]
+async def _relay(
+    messages: AsyncGenerator[tuple[int, Any], None],
+    send: trio.MemorySendChannel[tuple[int, Any]],
 ) -> None:
-    try:
-        messages: Any = client.stream(c.generate)  # an async generator: closed on cancel
-        async with aclosing(messages) as stream:
-            async for msg in stream:
-                await send.send((c.index, msg))
-    except RequestError as e:
-        await send.send((c.index, _refusal(plan, c, e)))
+    async with aclosing(messages) as items:
+        async for item in items:
+            await send.send(item)
