@@ -42,7 +42,7 @@ from benchmarks.openai import free_port
 
 SPEC = {
     "method": "ngram",
-    "num_speculative_tokens": 5,
+    "num_speculative_tokens": 10,
     "prompt_lookup_max": 4,
     "prompt_lookup_min": 2,
 }
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             trio.run(run_batch, url, str(model), loads["free"][:2], 2, 16)
         for rnd in range(a.rounds):
             for b, w in plan:
-                prompts = loads[w][: max(b, 4 if b == 1 else 2 * b)]
+                prompts = loads[w][: max(8, 2 * b)]
                 order = ("spec", "base") if rnd % 2 == 0 else ("base", "spec")
                 row: dict[str, Any] = {"round": rnd, "batch": b, "workload": w}
                 for name in order:

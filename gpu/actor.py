@@ -84,7 +84,7 @@ class ExecutorActor(Actor):
             **dataclasses.asdict(self.ex.budget),
             burst_wait_ms=cfg.executor.burst_wait_ms,
             speculative=dataclasses.asdict(spec) if (spec := self.ex.speculative) else None,
-            spec_rows=self.ex.spec_rows if spec else None,
+            spec_costs=self.ex.spec_cost.as_dict() if spec else None,
             step_target_s=round(ad.target_s, 6) if (ad := self.ex.adaptive) else None,
             bound_cpus=self.ex.bound_cpus,  # --bind-threads: the CPU of each OpenMP thread
             step_costs=ad.seed.as_dict() if ad else None,  # the adaptive budget's seed

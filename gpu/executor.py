@@ -62,7 +62,8 @@ class Executor:
     model's context, capped by the pool's tokens) bounds prompt plus output. ``threads`` sets
     torch's intra-op thread count (process-wide). ``speculative``: ``--speculative-config``
     (``gpu/spec/config.py``; its text, dict or parsed form; empty or None: off); with it,
-    ``spec_rows`` caps a speculating step's rows (default: measured, ``gpu/spec/cost.py``).
+    draft rows are priced on forward times measured at start (``gpu/spec/cost.py``), or
+    ``spec_rows``: any step of up to that many rows drafts, none of more.
     Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
     """
 
@@ -169,10 +170,11 @@ class Executor:
             )
             seed = measure_seed(run)
             self.adaptive = AdaptiveBudget(seed, step_budget, step_target_ms / 1000.0)
-        self.spec_rows = spec_rows or 0
+        # what a step's rows cost, which prices draft rows (gpu/spec/cost.py): timed now
+        self.spec_cost = spec_cost.StepCost.flat(spec_rows or 1)
         if self.speculative is not None and not spec_rows:
             run = spec_cost.model_forward(self.model, spec, self.kv_dtype, self.device, block_size)
-            self.spec_rows = spec_cost.fitted_rows(spec_cost.measure(run))
+            self.spec_cost = spec_cost.StepCost(spec_cost.measure(run))
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, list(self.eos_token_ids), self.device
@@ -247,9 +249,7 @@ class Executor:
             ),
             grammar=state,
         )
-        # drafts only where their verification is exact (gpu/spec/plan.py): no penalty
-        exact = req.procs is None or req.procs.history_free
-        if self.speculative is not None and exact:
+        if self.speculative is not None:  # its proposer (gpu/spec/plan.py)
             req.ngram = NgramTokens(prompt)
         self.requests.add(req)
 
@@ -329,9 +329,11 @@ class Executor:
             tm = time.perf_counter()
             masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
             mask_s = time.perf_counter() - tm
-        tokens_t = sample_rows(masked, samplers, batch.offsets if drafts else None)
+        tokens_t = sample_rows(masked, samplers, batch.offsets if drafts else None, drafts)
         tokens = tokens_t.tolist()
         forward_s = time.perf_counter() - t1
+        if sp is not None and not chunks:  # what a served step's rows cost (gpu/spec/cost.py)
+            self.spec_cost.observe(len(batch.ids), forward_s)
         lps, tops = row_logprobs(logits, tokens_t, [r.params for r in samplers])  # before the mask
 
         outputs: list[TokenOutput] = []
@@ -348,8 +350,8 @@ class Executor:
             n = 1
             if d:
                 n += accepted(tokens[i : i + len(d)], d)
-                assert stats is not None and req.ngram is not None and self.speculative
-                req.ngram.settle(len(d), n - 1, self.speculative.k)
+                assert stats is not None and req.ngram is not None
+                req.ngram.settle(len(d), n - 1)
                 stats.add(req.rid, len(d), n - 1)
             if req.out:  # a decode: its input and accepted drafts are in the cache now
                 req.computed += n
@@ -390,7 +392,7 @@ class Executor:
             rows,
             self.speculative,
             self.budget.step_budget,
-            self.spec_rows,
+            self.spec_cost,
             self.block_size,
             self.max_model_len,
         )

@@ -12,6 +12,10 @@ vLLM's order: logit bias, min-tokens mask, repetition penalty, frequency/presenc
 - ``frequency_penalty``/``presence_penalty`` (OpenAI): ``logits[t] -= f * c[t] + p * (c[t] > 0)``
   with ``c[t]`` the times ``t`` was *generated* (prompt tokens do not count).
 
+Under speculative decoding a draft's row is processed as if the drafts before it had been
+generated (``apply_processors``' ``pending``): its penalties count them, so its target is the
+token the request would sample there without speculation.
+
 Only a request that uses one of them gets a :class:`LogitsProcessors` (``build`` returns None
 otherwise), and :func:`apply_processors` touches only those rows, so a batch of plain requests
 runs the sampler exactly as without this module. The state is a pure function of the request's
@@ -100,13 +104,6 @@ class LogitsProcessors:
         )
         return cls(params, prompt, prior, stop, vocab, device) if used else None
 
-    @property
-    def history_free(self) -> bool:
-        """Whether the processing of an output depends only on its index, not on the tokens
-        generated before it (``logit_bias`` and ``min_tokens`` only, no penalty): rows of
-        drafts can then be processed before the drafts are accepted."""
-        return self.counts is None and self.seen is None
-
     def observe(self, token: int) -> None:
         """Count a newly generated token."""
         if self.counts is not None:
@@ -116,11 +113,15 @@ class LogitsProcessors:
 
 
 def apply_processors(
-    logits: torch.Tensor, rows: list[tuple[int, LogitsProcessors, int]]
+    logits: torch.Tensor,
+    rows: list[tuple[int, LogitsProcessors, int]],
+    pending: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """New ``[B, V]`` logits with ``rows`` processed; ``logits`` is not mutated.
 
     ``rows``: ``(row, processors, outputs generated so far)`` for each row that has processors.
+    ``pending[j]``: tokens generated before ``rows[j]``'s output that its processors have not
+    observed (a draft row: the drafts before it), counted by its penalties as if they had been.
     """
     dev = logits.device
     idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=dev)
@@ -147,6 +148,9 @@ def apply_processors(
         sel = torch.tensor(rep, dtype=torch.long, device=dev)
         sub = x.index_select(0, sel)
         seen = torch.stack([procs[j].seen for j in rep])  # type: ignore[misc]
+        for i, j in enumerate(rep):
+            if pending and pending[j]:
+                seen[i, torch.tensor(pending[j], dtype=torch.long, device=dev)] = True
         pen = torch.tensor([procs[j].repetition for j in rep], dtype=x.dtype, device=dev)[:, None]
         x.index_copy_(0, sel, torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub))
 
@@ -154,6 +158,10 @@ def apply_processors(
     if pf:
         sel = torch.tensor(pf, dtype=torch.long, device=dev)
         counts = torch.stack([procs[j].counts for j in pf]).double()  # type: ignore[misc]
+        for i, j in enumerate(pf):
+            if pending and pending[j]:
+                ids = torch.tensor(pending[j], dtype=torch.long, device=dev)
+                counts[i].index_add_(0, ids, torch.ones(len(ids), dtype=counts.dtype, device=dev))
         f = torch.tensor([procs[j].frequency for j in pf], dtype=torch.float64, device=dev)
         p = torch.tensor([procs[j].presence for j in pf], dtype=torch.float64, device=dev)
         # In float64, rounded once: the same as subtracting ``f * c + p`` token by token.

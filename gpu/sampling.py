@@ -141,18 +141,25 @@ def row_logprobs(
 
 
 def sample_rows(
-    logits: torch.Tensor, reqs: list[RequestState], offsets: list[int] | None = None
+    logits: torch.Tensor,
+    reqs: list[RequestState],
+    offsets: list[int] | None = None,
+    drafts: dict[str, list[int]] | None = None,
 ) -> torch.Tensor:
     """A step's tokens, one per sampling row of ``reqs``: logit processors first, on their rows
     only (a batch of requests without penalties, bias or min_tokens takes the same path as
     without them), then greedy or seeded sampling. ``offsets[i]``: row ``i`` samples output
-    ``len(out) + offsets[i]`` of its request (a draft's row: ``gpu/spec/verify.py``), default 0."""
+    ``len(out) + offsets[i]`` of its request (a draft's row: ``gpu/spec/verify.py``), default 0,
+    its penalties counting the request's ``drafts`` before it."""
     at = [r.prior + len(r.out) for r in reqs]
     if offsets is not None:
         at = [n + o for n, o in zip(at, offsets, strict=True)]
     procs = [(i, r.procs, at[i]) for i, r in enumerate(reqs) if r.procs is not None]
     if procs:
-        logits = apply_processors(logits, procs)
+        pending = None
+        if drafts and offsets is not None:
+            pending = [drafts.get(reqs[i].rid, [])[: offsets[i]] for i, _, _ in procs]
+        logits = apply_processors(logits, procs, pending)
     if all(is_greedy(r.params) for r in reqs):
         # same indices as argmax (first maximum), 3x faster on CPU: [64, 32000] 2.5 -> 0.85 ms;
         # one C pass where it applies (see gpu.cpu_ops.argmax)

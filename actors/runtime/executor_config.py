@@ -81,7 +81,8 @@ class ExecutorConfig:
     spec_max_rows: int = field(
         default=0,
         metadata=doc(
-            "speculative decoding: a step's rows at most for drafts to ride along (0: measured "
-            "at start, the most rows whose forward costs at most twice one row's)"
+            "speculative decoding: draft rows ride in any step of up to this many rows, in "
+            "none of more (0: priced on forward times measured at start, drafts only where "
+            "they raise the step's expected tokens per second)"
         ),
     )

@@ -1,22 +1,33 @@
-"""When draft rows are cheap: the cost model that turns speculation off in large batches.
+"""What a step's rows cost: the forward-time table that prices draft rows.
 
 A forward's time grows little with its rows while the weights' reads dominate (a memory-bound
-decode) and linearly once the arithmetic does. Speculation pays while its draft rows ride along
-nearly free, so the executor measures, once at start, the forward of 1, 2, 4, ... 64 rows (all
-with logits, as verification needs) and keeps ``fitted_rows``: the most rows whose forward, on a
-straight line fitted to the times, takes at most ``SLOWDOWN`` times the one-row forward. A step then adds draft rows only up to that
-many rows in all (its decodes and prefill tokens first); a step already at or past it runs
-without drafts (``off: "batch"``). Even if every draft is rejected, a step is then at most
-``SLOWDOWN`` times slower than the cheapest one, and a lone request earns that back with one
-accepted draft per step (two tokens for one forward); n-gram drafts, proposed only where the
-text repeats, are mostly accepted there (a code edit on SmolLM2: 86%). A CPU's curve bends
-early (SmolLM2-135M, 1 thread: 24, 29, 35, 50 ms for 1, 2, 4, 8 rows); an accelerator's stays
-flat far longer.
+decode) and linearly once the arithmetic does, and on a CPU the curve is not a line: on
+SmolLM2-135M in float32, 2 Zen 4 cores, 1 to 4 rows take 13.6, 14.0, 15.6, 15.7 ms, 5 rows
+17.6 ms (the linears turn compute-bound there), and 5 to 10 rows stay within 17.6-18.3 ms. So
+once a step pays for a fifth row, five more are nearly free, and a bound on a step's rows (or a
+line fitted to the times) prices drafts wrongly on one side or the other.
+
+The executor therefore times, once at start, the forward of every row count from 1 to 16 and
+of 20, 24, 32, 48 and 64 rows (all rows with logits, as verification needs), in interleaved
+rounds (a busy moment of the machine weighs on all rungs alike), keeps each rung's best, and
+prices ``rows`` by :class:`StepCost`: straight between the rungs, the last rungs' slope beyond,
+never decreasing. The planner (``gpu/spec/plan.py``) adds drafts where they raise the step's
+expected tokens per second on that table. ``--spec-max-rows N`` (``StepCost.flat``) prices
+every step of up to ``N`` rows alike and none above (drafts then fill up to ``N`` rows).
+
+The start's forwards run alone; a served step does not: its rows are other requests' at other
+contexts, and on a 2-core machine the HTTP server and its clients wake during it and take a
+core from one of the forward's two threads. Measured through ``vllm bench``-like serving of
+16 streams on SmolLM2 (2 Zen 4 cores): 16 decode rows took 23.6 ms against 18 at start, 28 rows
+40.6 ms against 27, so a draft row cost twice what the table said. So each step's forward time
+corrects the table where it ran (:meth:`StepCost.observe`, steps without prompt rows): per band
+of rows between two rungs a running ratio of what the steps took to what the table says,
+applied to the rows of that band; a band no step has run in yet takes the nearest band's.
 """
 
 from __future__ import annotations
 
-import statistics
+import bisect
 import time
 from collections.abc import Callable, Mapping
 
@@ -25,68 +36,91 @@ import torch
 from gpu.attention import build_metadata
 from gpu.kv_cache import PagedKVCache
 
-LADDER = (1, 2, 4, 8, 16, 32, 64)
-SLOWDOWN = 2.0
-REPS = 3
+LADDER = (*range(1, 17), 20, 24, 32, 48, 64)
+ROUNDS = 3
+WEIGHT = 0.2  # of a step's forward time in its band's running ratio
 
 
-def fitted_rows(times: Mapping[int, float], slowdown: float = SLOWDOWN) -> int:
-    """``cheap_rows`` of a straight line ``t = a + b r`` fitted to ``times`` by Theil-Sen (the
-    median of the pairwise slopes, then the median intercept): one rung timed in a busy moment
-    of the machine does not move it."""
-    rows = sorted(times)
-    if len(rows) < 3:
-        return cheap_rows(times, slowdown)
-    slopes = [(times[q] - times[p]) / (q - p) for i, p in enumerate(rows) for q in rows[i + 1 :]]
-    b = statistics.median(slopes)
-    a = statistics.median(times[r] - b * r for r in rows)
-    one = a + b * rows[0]
-    if b <= 0 or one <= 0:
-        return cheap_rows(times, slowdown)
-    most = rows[0] + (slowdown - 1.0) * one / b  # where the line reaches slowdown x one row
-    return max(rows[0], min(int(most), 2 * rows[-1]))
+class StepCost:
+    """Seconds of a forward of ``rows`` rows (:meth:`__call__`): piecewise linear through the
+    measured ``times`` (rows -> seconds), made non-decreasing (a rung timed faster than one
+    below it takes that one's time), the last two rungs' slope beyond the top; ``limit``: no
+    step of more rows may run drafts (infinite cost), 0 for none."""
 
+    def __init__(self, times: Mapping[int, float], limit: int = 0) -> None:
+        if not times or min(times) < 1 or min(times.values()) <= 0:
+            raise ValueError("step costs need positive times for row counts >= 1")
+        self.rows = sorted(times)
+        self.secs: list[float] = []
+        for r in self.rows:
+            self.secs.append(max(times[r], self.secs[-1] if self.secs else 0.0))
+        self.limit = limit
+        # per band (rows up to rungs[0], then between two rungs, then past the top): the
+        # running ratio of served steps' forward time to the table's; None until one ran there
+        self.scale: list[float | None] = [None] * (len(self.rows) + 1)
 
-def cheap_rows(times: Mapping[int, float], slowdown: float = SLOWDOWN) -> int:
-    """The most rows of ``times`` (rows -> forward seconds, climbing) before the first whose
-    forward takes more than ``slowdown`` times the fewest rows' forward."""
-    ladder = sorted(times)
-    base, rows = times[ladder[0]], ladder[0]
-    for r in ladder:
-        if times[r] > slowdown * base:
-            break
-        rows = r
-    return rows
+    @classmethod
+    def flat(cls, rows: int) -> StepCost:
+        """Every step of up to ``rows`` rows costs the same, more than that cannot have drafts."""
+        return cls({1: 1.0, max(rows, 1): 1.0}, limit=rows)
+
+    def __call__(self, rows: int) -> float:
+        if self.limit and rows > self.limit:
+            return float("inf")
+        return self.table(rows) * self.ratio(bisect.bisect_left(self.rows, rows))
+
+    def ratio(self, band: int) -> float:
+        """The band's running ratio; before a step ran there, the nearest band's below (else
+        above) that has one, else 1 (a step's rows wake the same other processes)."""
+        for b in (*range(band, -1, -1), *range(band + 1, len(self.scale))):
+            if (r := self.scale[b]) is not None:
+                return r
+        return 1.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A served step of ``rows`` decode and draft rows (no prompt's: those have no logits
+        and other contexts) took ``seconds`` of forward: its band's ratio moves toward
+        ``seconds / table(rows)`` (not for a flat table, which is not timed)."""
+        if self.limit or rows < 1 or seconds <= 0:
+            return
+        band = bisect.bisect_left(self.rows, rows)
+        ratio = seconds / self.table(rows)
+        old = self.scale[band]
+        self.scale[band] = ratio if old is None else old + WEIGHT * (ratio - old)
+
+    def table(self, rows: int) -> float:
+        """The start's table at ``rows``, uncorrected."""
+        rs, ts = self.rows, self.secs
+        if rows <= rs[0]:
+            return ts[0]
+        i = bisect.bisect_left(rs, rows)
+        if i < len(rs) and rs[i] == rows:
+            return ts[i]
+        lo = min(i, len(rs) - 1) - 1  # the segment from rs[lo] to rs[lo + 1]
+        if lo < 0:
+            return ts[0]
+        slope = (ts[lo + 1] - ts[lo]) / (rs[lo + 1] - rs[lo])
+        return ts[lo] + slope * (rows - rs[lo])
+
+    def as_dict(self) -> dict[int, float]:
+        """rows -> milliseconds of the start's table (``executor.config``'s ``spec_costs``)."""
+        return {r: round(t * 1e3, 3) for r, t in zip(self.rows, self.secs, strict=True)}
 
 
 def measure(
-    run: Callable[[int], None],
-    ladder: tuple[int, ...] = LADDER,
-    reps: int = REPS,
-    slowdown: float = SLOWDOWN,
+    run: Callable[[int], None], ladder: tuple[int, ...] = LADDER, rounds: int = ROUNDS
 ) -> dict[int, float]:
-    """``{rows: best of reps seconds}`` of ``run(rows)`` up the ladder, each rung after a
-    warm-up run (the first forward of a shape may build its kernels), the rungs below it timed
-    again alongside (interleaved: a busy moment of the machine weighs on all of them); stops at
-    the first rung past ``slowdown`` times the first (none higher can be cheap)."""
-    times: dict[int, float] = {}
+    """``{rows: best seconds}`` of ``run(rows)`` over ``rounds`` passes up the ladder, after a
+    warm-up pass (the first forward of a shape may build its kernels)."""
     for r in ladder:
         run(r)
-        times[r] = _timed(run, r)
-        # again with the rungs below, so a burst of another process's work on the cores
-        # (which would make one rung look dear) is seen by the others too: best of each
-        for _ in range(reps - 1):
-            for q in times:
-                times[q] = min(times[q], _timed(run, q))
-        if times[r] > slowdown * times[ladder[0]]:
-            break
+    times: dict[int, float] = {}
+    for _ in range(rounds):
+        for r in ladder:
+            t0 = time.perf_counter()
+            run(r)
+            times[r] = min(times.get(r, float("inf")), time.perf_counter() - t0)
     return times
-
-
-def _timed(run: Callable[[int], None], rows: int) -> float:
-    t0 = time.perf_counter()
-    run(rows)
-    return time.perf_counter() - t0
 
 
 def model_forward(

@@ -17,7 +17,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-REST = 4  # steps without drafts after a single draft was rejected
+# how a request's acceptance is estimated (see NgramTokens.settle)
+PRIOR = (1.0, 2.0)  # accepted drafts, rejections: a fresh request's estimate is a third
+DECAY = 0.9  # per verification: the latest runs weigh most (a reply copies, then it does not)
 
 
 def propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
@@ -47,30 +49,27 @@ def propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
 
 class NgramTokens:
     """One request's tokens for the proposer: its prompt, then each output as it comes; and
-    how many drafts it proposes next (``k``, adapted to how its last ones fared)."""
+    how its drafts have fared (``accept``: the estimated chance that a draft is accepted given
+    the drafts before it were)."""
 
-    __slots__ = ("buf", "k", "n", "rest")
+    __slots__ = ("buf", "hits", "misses", "n")
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.n = len(tokens)
         self.buf = np.empty(max(64, 2 * self.n), dtype=np.int32)
         self.buf[: self.n] = tokens
-        self.k = 0  # 0: the configured num_speculative_tokens
-        self.rest = 0  # steps to propose nothing (its single drafts kept failing)
+        self.hits, self.misses = PRIOR
 
-    def settle(self, drafted: int, accepted: int, k_max: int) -> None:
-        """Adapt the next draft's length to this one's fate: all accepted, twice as many (the
-        text is being copied: longer runs pay); none, half (a draft row is not free on a CPU,
-        about a tenth of a one-row step on SmolLM2); some, one more than were accepted. A
-        single draft rejected rests the proposer for ``REST`` steps."""
-        if accepted == 0 and drafted == 1:
-            self.rest = REST
-        if accepted == drafted:
-            self.k = min(k_max, 2 * drafted)
-        elif accepted == 0:
-            self.k = max(1, drafted // 2)
-        else:
-            self.k = min(k_max, accepted + 1)
+    @property
+    def accept(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def settle(self, drafted: int, accepted: int) -> None:
+        """Count a verification: ``accepted`` drafts kept, then a rejection unless all were.
+        Each draft after an accepted one is a trial, so the estimate is the fraction of trials
+        kept (a geometric run's maximum-likelihood estimate), the older ones decayed."""
+        self.hits = DECAY * self.hits + accepted
+        self.misses = DECAY * self.misses + (accepted < drafted)
 
     def __len__(self) -> int:
         return self.n
@@ -85,7 +84,4 @@ class NgramTokens:
             self.n += 1
 
     def propose(self, k: int, lo: int, hi: int) -> list[int]:
-        if self.rest:
-            self.rest -= 1
-            return []
         return propose(self.buf[: self.n], k, lo, hi)

@@ -92,8 +92,15 @@ class Masker:
         (the drafts must be ones it accepts: ``gpu/spec/plan.py`` cuts them so). Rows with
         ``no_eos`` (one flag per row) lose EOS unless it is all the grammar allows."""
         n = len(no_eos)
+        # No parallel torch op here: this runs in the mask thread, and an OpenMP region started
+        # from a second thread gives the process a second thread team, after which libgomp
+        # counts more threads than cores and its workers sleep at every barrier instead of
+        # spinning: the forward's took 21 -> 31 ms at batch 16 on 2 cores from then on
+        # (measured: the first speculating grammar request, whose draft rows' mask fill was
+        # large enough to go parallel). So the buffer is allocated empty (every row is written
+        # below) and filled through numpy.
         if self._buf.shape[0] < n:
-            self._buf = torch.zeros((max(n, 2 * self._buf.shape[0]), self.words), dtype=torch.int32)
+            self._buf = torch.empty((max(n, 2 * self._buf.shape[0]), self.words), dtype=torch.int32)
         mask = self._buf[:n]
         drafts = drafts or [[]] * len(states)
         plain: list[tuple[Any, int]] = []
@@ -108,7 +115,7 @@ class Masker:
         # What llguidance.torch.fill_next_token_bitmask_par does; that module is not imported:
         # its import builds a torch.compile kernel (1.6 s) that is never used here.
         if ahead:
-            mask.fill_(-1)  # a row past where a grammar stopped allows all (never emitted)
+            mask.numpy().fill(-1)  # a row past where a grammar stopped allows all (never emitted)
         if plain:
             self.pool.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.words * 4, n)
         if ahead:  # llguidance advances each matcher through its drafts, then rolls it back
