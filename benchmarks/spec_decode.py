@@ -122,8 +122,9 @@ async def run_batch(
     max_tokens: int,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The prompts ``batch`` at a time; output tokens/s over the whole run, and the outputs.
-    ``extra``: more fields of every request's body (``response_format``)."""
+    """The prompts ``batch`` at a time, streamed; output tokens/s over the whole run, the median
+    TPOT (a request's time from its first token to its last over its tokens after the first)
+    and the outputs. ``extra``: more fields of every request's body (``response_format``)."""
     limit = trio.CapacityLimiter(batch)
     outs: list[Any] = [None] * len(prompts)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -135,23 +136,40 @@ async def run_batch(
                     "prompt": prompts[i],
                     "max_tokens": max_tokens,
                     "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
                     **(extra or {}),
                 }
-                r = await client.post("/v1/completions", json=body)
-                r.raise_for_status()
-                outs[i] = r.json()
+                text, tokens, first = [], 0, None
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for c in chunk.get("choices") or []:
+                            if c.get("text"):
+                                first = first or time.perf_counter()
+                                text.append(c["text"])
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                end = time.perf_counter()
+                tpot = (end - first) / (tokens - 1) if first and tokens > 1 else None
+                outs[i] = ("".join(text), tokens, tpot)
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
         wall = time.perf_counter() - t0
-    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    tokens = sum(o[1] for o in outs)
+    tpots = [o[2] for o in outs if o[2] is not None]
     return {
         "tok_s": tokens / wall,
         "tokens": tokens,
         "wall_s": wall,
-        "texts": [o["choices"][0]["text"] for o in outs],
+        "tpot_ms": statistics.median(tpots) * 1e3 if tpots else None,
+        "texts": [o[0] for o in outs],
     }
 
 
@@ -281,10 +299,12 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
         "",
         f"Model `{Path(r['model']).name}`, float32, `--speculative-config '{json.dumps(r['spec'])}'`."
         " Output tokens/s of each batch run (greedy, OpenAI completions with token-id prompts);"
-        " the ratio is with / without, paired per round (the two servers alternate first).",
+        " the ratio is with / without, paired per round (the two servers alternate first); TPOT:"
+        " the median over the requests of a request's time from its first streamed token to its"
+        " last over its tokens after the first (median of the rounds).",
         "",
-        "| batch | workload | with (tok/s) | without (tok/s) | ratio per round | median ratio | accepted / drafted | outputs identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | workload | with (tok/s) | without (tok/s) | ratio per round | median ratio | TPOT with / without (ms) | accepted / drafted | outputs identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(x["batch"], x["workload"]) for x in r["runs"]})
     for b, w in keys:
@@ -296,6 +316,7 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
             f"| {b} | {w} | {statistics.median(x['spec']['tok_s'] for x in rows):.1f} | "
             f"{statistics.median(x['base']['tok_s'] for x in rows):.1f} | "
             f"{', '.join(f'{q:.2f}' for q in ratios)} | {statistics.median(ratios):.2f} | "
+            f"{_tpot(rows, 'spec')} / {_tpot(rows, 'base')} | "
             f"{acc:.0f} / {dr:.0f} ({acc / dr if dr else 0:.0%}) | "
             f"{all(x['identical'] for x in rows)} |"
         )
@@ -306,15 +327,25 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
             "",
         ]
         lines += [
-            "| workload | vLLM (tok/s) | minirt with (tok/s) | minirt with / vLLM |",
-            "|---|---|---|---|",
+            "| workload | vLLM (tok/s) | minirt with (tok/s) | minirt with / vLLM | TPOT vLLM / minirt with (ms) |",
+            "|---|---|---|---|---|",
         ]
         for w, v in r["vllm"].items():
             mine = statistics.median(
                 x["spec"]["tok_s"] for x in r["runs"] if (x["batch"], x["workload"]) == (1, w)
             )
-            lines.append(f"| {w} | {v['tok_s']:.1f} | {mine:.1f} | {mine / v['tok_s']:.2f} |")
+            rows = [x for x in r["runs"] if (x["batch"], x["workload"]) == (1, w)]
+            vt = f"{v['tpot_ms']:.1f}" if v.get("tpot_ms") is not None else "-"
+            lines.append(
+                f"| {w} | {v['tok_s']:.1f} | {mine:.1f} | {mine / v['tok_s']:.2f} | "
+                f"{vt} / {_tpot(rows, 'spec')} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _tpot(rows: list[dict[str, Any]], name: str) -> str:
+    got = [x[name]["tpot_ms"] for x in rows if x[name].get("tpot_ms") is not None]
+    return f"{statistics.median(got):.1f}" if got else "-"
 
 
 if __name__ == "__main__":

@@ -222,9 +222,9 @@ def test_plain_batches_skip_the_processors(tiny_model, monkeypatch):
     calls: list[list[int]] = []  # per call: outputs so far of each processed row
     real = gpu.sampling.apply_processors
 
-    def spy(logits, rows):
+    def spy(logits, rows, pending=None):
         calls.append([n for _, _, n in rows])
-        return real(logits, rows)
+        return real(logits, rows, pending)
 
     monkeypatch.setattr(gpu.sampling, "apply_processors", spy)
     ex = Executor(tiny_model, num_blocks=128)
