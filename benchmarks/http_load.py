@@ -24,7 +24,7 @@ import trio
 class TextJob:
     rid: str
     group: int
-    prompt: str
+    prompt: str | list[int]  # text, or token ids
 
 
 @dataclass
@@ -112,9 +112,10 @@ async def complete(
     t0: float,
     api_key: str = "",
     timeout: float = 600.0,
+    extra: dict[str, Any] | None = None,
 ) -> HttpRecord:
-    """One streaming ``/v1/completions`` (greedy, usage included); never raises: errors are in
-    the record (``status`` 0 when no HTTP answer came)."""
+    """One streaming ``/v1/completions`` (greedy, usage included; ``extra``: more body fields);
+    never raises: errors are in the record (``status`` 0 when no HTTP answer came)."""
     rec = HttpRecord(job.rid, job.group, sent=time.perf_counter() - t0)
     headers = {"X-Request-Id": job.rid}
     if api_key:
@@ -126,6 +127,7 @@ async def complete(
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     try:
         async with client.stream(

@@ -38,6 +38,7 @@ import httpx
 import trio
 
 from actors.bench.workloads import code_edit, load_tokenizer, render
+from benchmarks.http_load import TextJob, complete
 from benchmarks.openai import free_port
 
 SPEC = {
@@ -122,54 +123,36 @@ async def run_batch(
     max_tokens: int,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The prompts ``batch`` at a time, streamed; output tokens/s over the whole run, the median
-    TPOT (a request's time from its first token to its last over its tokens after the first)
-    and the outputs. ``extra``: more fields of every request's body (``response_format``)."""
+    """The prompts ``batch`` at a time, streamed (``benchmarks.http_load.complete``); output
+    tokens/s over the whole run, the median TPOT (a request's time from its first token to its
+    last over its tokens after the first) and the outputs. ``extra``: more fields of every
+    request's body (``response_format``)."""
     limit = trio.CapacityLimiter(batch)
-    outs: list[Any] = [None] * len(prompts)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    recs: list[Any] = [None] * len(prompts)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(trust_env=False) as client:
 
         async def one(i: int) -> None:
             async with limit:
-                body = {
-                    "model": model,
-                    "prompt": prompts[i],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                    **(extra or {}),
-                }
-                text, tokens, first = [], 0, None
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        for c in chunk.get("choices") or []:
-                            if c.get("text"):
-                                first = first or time.perf_counter()
-                                text.append(c["text"])
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-                end = time.perf_counter()
-                tpot = (end - first) / (tokens - 1) if first and tokens > 1 else None
-                outs[i] = ("".join(text), tokens, tpot)
+                job = TextJob(f"r{i}", 0, prompts[i])
+                recs[i] = await complete(
+                    client, url, job, model=model, max_tokens=max_tokens, t0=t0, extra=extra
+                )
 
-        t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
-        wall = time.perf_counter() - t0
-    tokens = sum(o[1] for o in outs)
-    tpots = [o[2] for o in outs if o[2] is not None]
+    wall = time.perf_counter() - t0
+    if failed := [r for r in recs if r.error]:
+        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0].error}")
+    tokens = sum(r.completion_tokens for r in recs)
+    tpots = [t for r in recs if (t := r.summary()["tpot_s"]) is not None]
     return {
         "tok_s": tokens / wall,
         "tokens": tokens,
         "wall_s": wall,
         "tpot_ms": statistics.median(tpots) * 1e3 if tpots else None,
-        "texts": [o[0] for o in outs],
+        "texts": [r.text for r in recs],
     }
 
 

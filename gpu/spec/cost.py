@@ -56,8 +56,10 @@ class StepCost:
             self.secs.append(max(times[r], self.secs[-1] if self.secs else 0.0))
         self.limit = limit
         # per band (rows up to rungs[0], then between two rungs, then past the top): the
-        # running ratio of served steps' forward time to the table's; None until one ran there
-        self.scale: list[float | None] = [None] * (len(self.rows) + 1)
+        # running ratio of served steps' forward time to the table's, None until one ran there
+        # (``seen``); ``scale``: what prices each band (its own, else the nearest band's)
+        self.seen: list[float | None] = [None] * (len(self.rows) + 1)
+        self.scale = [1.0] * len(self.seen)
 
     @classmethod
     def flat(cls, rows: int) -> StepCost:
@@ -67,26 +69,23 @@ class StepCost:
     def __call__(self, rows: int) -> float:
         if self.limit and rows > self.limit:
             return float("inf")
-        return self.table(rows) * self.ratio(bisect.bisect_left(self.rows, rows))
-
-    def ratio(self, band: int) -> float:
-        """The band's running ratio; before a step ran there, the nearest band's below (else
-        above) that has one, else 1 (a step's rows wake the same other processes)."""
-        for b in (*range(band, -1, -1), *range(band + 1, len(self.scale))):
-            if (r := self.scale[b]) is not None:
-                return r
-        return 1.0
+        return self.table(rows) * self.scale[bisect.bisect_left(self.rows, rows)]
 
     def observe(self, rows: int, seconds: float) -> None:
         """A served step of ``rows`` decode and draft rows (no prompt's: those have no logits
         and other contexts) took ``seconds`` of forward: its band's ratio moves toward
-        ``seconds / table(rows)`` (not for a flat table, which is not timed)."""
+        ``seconds / table(rows)`` (not for a flat table, which is not timed). A band no step
+        has run in takes the nearest band's below (else above) that has one: a step's rows
+        wake the same other processes."""
         if self.limit or rows < 1 or seconds <= 0:
             return
         band = bisect.bisect_left(self.rows, rows)
         ratio = seconds / self.table(rows)
-        old = self.scale[band]
-        self.scale[band] = ratio if old is None else old + WEIGHT * (ratio - old)
+        old = self.seen[band]
+        self.seen[band] = ratio if old is None else old + WEIGHT * (ratio - old)
+        for b in range(len(self.scale)):
+            near = (*range(b, -1, -1), *range(b + 1, len(self.seen)))
+            self.scale[b] = next(r for c in near if (r := self.seen[c]) is not None)
 
     def table(self, rows: int) -> float:
         """The start's table at ``rows``, uncorrected."""
@@ -97,8 +96,6 @@ class StepCost:
         if i < len(rs) and rs[i] == rows:
             return ts[i]
         lo = min(i, len(rs) - 1) - 1  # the segment from rs[lo] to rs[lo + 1]
-        if lo < 0:
-            return ts[0]
         slope = (ts[lo + 1] - ts[lo]) / (rs[lo + 1] - rs[lo])
         return ts[lo] + slope * (rows - rs[lo])
 

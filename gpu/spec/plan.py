@@ -77,7 +77,7 @@ def plan_drafts(
     if not price.may_pay(min(left, cfg.k * len(accepts)), max(accepts, default=0.0)):
         return SpecPlan(off="cost")
     why: Counter[str] = Counter()
-    proposals: list[tuple[RequestState, list[int]]] = []
+    proposals: list[tuple[RequestState, list[int], float]] = []
     for req in decodes:
         if req.ngram is None:  # admitted with speculation off
             continue
@@ -101,19 +101,16 @@ def plan_drafts(
             if not drafts:
                 why["grammar"] += 1
                 continue
-        proposals.append((req, drafts))
+        proposals.append((req, drafts, req.ngram.accept))
     plan = SpecPlan()
     if not proposals:
         plan.off = why.most_common(1)[0][0]
         return plan
     # each draft's expected tokens: a ** j for the j-th of a request (a: its acceptance)
     gains = sorted(
-        (
-            (-(req.ngram.accept**j), n, j)
-            for n, (req, drafts) in enumerate(proposals)
-            if req.ngram is not None
-            for j in range(1, len(drafts) + 1)
-        )
+        (-(a**j), n, j)
+        for n, (_, drafts, a) in enumerate(proposals)
+        for j in range(1, len(drafts) + 1)
     )[:left]
     best, keep, got = price.bar, 0, float(base)
     for d, (g, _, _) in enumerate(gains, 1):
@@ -124,7 +121,7 @@ def plan_drafts(
         plan.off = "cost"
         return plan
     counts = Counter(n for _, n, _ in gains[:keep])
-    for n, (req, drafts) in enumerate(proposals):
+    for n, (req, drafts, _) in enumerate(proposals):
         if counts[n]:
             plan.drafts[req.rid] = drafts[: counts[n]]
     return plan
