@@ -72,9 +72,7 @@ class WriteThrough(TCPServer):
                 data = event.data
                 try:
                     sent = os.write(fd, data)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:  # the peer is gone: hypercorn's send says so and closes
+                except OSError:  # a full socket, or the peer gone (hypercorn's send closes)
                     sent = 0
                 if sent == len(data):
                     return
