@@ -16,8 +16,9 @@ Every limit is a setting of the server library where it has one, and each has a 
   (OpenAI's error shape, ``Retry-After``) and closed, as uvicorn's ``--limit-concurrency`` does.
 
 Each write goes straight to the socket when it can (:class:`WriteThrough`): a streamed token is
-one write, and hypercorn's own path (a lock, a shielded cancel scope and trio's ``send_all``,
-three trips through the scheduler) cost more than the system call.
+one write, and hypercorn's own path (its lock and trio's ``send_all``, each a trip through trio's
+scheduler, with a shielded cancel scope and async context managers around them) cost more than
+the system call.
 """
 
 from __future__ import annotations
