@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.eventlog.summary import table
+from gpu import cpu_field
 
 COLS = [
     "server",
@@ -295,15 +296,8 @@ def _cpu_name() -> str:
     """The CPU's name, with cpuid's family and model where the name is vague ("AMD EPYC" is a
     Zen 4 at family 25, a Zen 5 at 26, with twice the float32 GEMM rate here) and whether it
     has AMX."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields:
-        amx = "AMX" if "amx_bf16" in fields.get("flags", "").split() else "no AMX"
-        name += f" (cpuid family {fields['cpu family']} model {fields.get('model', '?')}, {amx})"
+    name = cpu_field("model name") or platform.processor() or platform.machine()
+    if family := cpu_field("cpu family"):
+        amx = "AMX" if "amx_bf16" in cpu_field("flags").split() else "no AMX"
+        name += f" (cpuid family {family} model {cpu_field('model') or '?'}, {amx})"
     return name

@@ -57,8 +57,10 @@ class StepCost:
         self.limit = limit
         # per band (rows up to rungs[0], then between two rungs, then past the top): the
         # running ratio of served steps' forward time to the table's, None until one ran there
-        # (``seen``); ``scale``: what prices each band (its own, else the nearest band's)
+        # (``seen``); ``scale``: what prices each band, the ratio of band ``source[b]`` (its
+        # own, else the nearest band's that has one; None: no band has one, 1)
         self.seen: list[float | None] = [None] * (len(self.rows) + 1)
+        self.source: list[int | None] = [None] * len(self.seen)
         self.scale = [1.0] * len(self.seen)
 
     @classmethod
@@ -82,10 +84,14 @@ class StepCost:
         band = bisect.bisect_left(self.rows, rows)
         ratio = seconds / self.table(rows)
         old = self.seen[band]
-        self.seen[band] = ratio if old is None else old + WEIGHT * (ratio - old)
-        for b in range(len(self.scale)):
-            near = (*range(b, -1, -1), *range(b + 1, len(self.seen)))
-            self.scale[b] = next(r for c in near if (r := self.seen[c]) is not None)
+        now = self.seen[band] = ratio if old is None else old + WEIGHT * (ratio - old)
+        if old is None:  # a band's first step: which band prices each may change (rarely)
+            for b in range(len(self.source)):
+                near = (*range(b, -1, -1), *range(b + 1, len(self.seen)))
+                self.source[b] = next(c for c in near if self.seen[c] is not None)
+        for b, src in enumerate(self.source):
+            if src == band:
+                self.scale[b] = now
 
     def table(self, rows: int) -> float:
         """The start's table at ``rows``, uncorrected."""
