@@ -329,4 +329,10 @@ def test_the_http_server_reconnects_after_the_front_door_restarts(server):
     wait_healthy(server.url, timeout=60)
     after = post(server, COMP, {"prompt": "x", "max_tokens": 2}, timeout=60)
     assert after.status_code == 200, after.text
-    assert len(server.rt.events("http.upstream_connected")) >= 2  # a fresh connection
+    # a fresh connection: the HTTP server sees the new boot id on its next ping (WATCH_S), which
+    # can come after the request above went through its old, reconnected socket
+    poll_until(
+        lambda: len(server.rt.events("http.upstream_connected")) >= 2,
+        15,
+        "the HTTP server's fresh connection to the restarted front door",
+    )
