@@ -1,12 +1,12 @@
 """What the HTTP server costs per streamed token: one minirt runtime, ``vllm bench serve`` (W1-like,
 all at once) run ``--reps`` times against its OpenAI API, the CPU seconds of the ``http`` and
 ``tokenizer`` processes read from /proc around each run, divided by the tokens streamed. With
-``--profile`` the last rep also samples the HTTP process with py-spy (``py-spy`` on PATH or
-``--py-spy``) and prints the functions that held its CPU.
+``--profile`` the last rep also samples the HTTP process (``--profile tokenizer``: the front door)
+with py-spy (``py-spy`` on PATH or ``--py-spy``) and prints the functions that held its CPU.
 
 To compare two commits, run it from a checkout of each, alternating (the machine drifts)::
 
-    python -m benchmarks.http_cpu --reps 3 [--profile]
+    python -m benchmarks.http_cpu --reps 3 [--profile [tokenizer]] [--model DIR]
 
 Prints one line per rep; writes nothing but its run directory under ``--work``.
 """
@@ -51,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model directory (default: the bench model)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--profile", action="store_true", help="py-spy the HTTP process, last rep")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="http",
+        choices=("http", "tokenizer"),
+        help="py-spy this process (default: http) during the last rep",
+    )
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     p.add_argument("--work", default=str(WORK))
     o = p.parse_args(argv)
@@ -69,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(o.reps):
             spy = None
             if o.profile and rep == o.reps - 1:
-                cmd = [o.py_spy, "record", "-p", str(pids["http"]), "-r", "200"]
-                cmd += ["--format", "raw", "-o", str(out / "http.raw"), "--nonblocking"]
+                cmd = [o.py_spy, "record", "-p", str(pids[o.profile]), "-r", "200"]
+                cmd += ["--format", "raw", "-o", str(out / f"{o.profile}.raw"), "--nonblocking"]
                 spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)  # attached before the run starts
             before = {k: cpu_seconds(v) for k, v in pids.items()}
@@ -86,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"tokenizer {1e6 * used['tokenizer'] / tokens:.1f} us/token",
                 flush=True,
             )
-    if o.profile and (out / "http.raw").exists():
-        print("HTTP process, share of its CPU samples (inclusive):")
-        for share, fn in top_functions(out / "http.raw"):
+    if o.profile and (raw := out / f"{o.profile}.raw").exists():
+        print(f"The {o.profile} process, share of its CPU samples (inclusive):")
+        for share, fn in top_functions(raw, 25):
             print(f"  {share:5.1f}%  {fn}")
     return 0
 

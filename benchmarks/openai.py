@@ -182,7 +182,7 @@ def http_cost(a: argparse.Namespace, model: Path, url: str, rt: Any) -> list[dic
 
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     jobs = w1(vocab, seed=0, n=a.num_prompts, new_tokens=a.output_len)
-    pids = {"http": rt.pid_of("http"), "tokenizer": rt.pid_of("tokenizer")}
+    pids = {n: rt.pid_of(n) for n in ("http", "tokenizer", "executor")}
     print("http cost: the same W1 jobs through ZMQ, HTTP, ZMQ", file=sys.stderr)
     return measure(rt.endpoint, url, str(model), jobs, pids, vocab)
 

@@ -3,7 +3,8 @@ on the same running runtime, one after the other, timed the same way by the same
 
 The HTTP driver streams ``/v1/completions`` with the prompt as token ids (so both paths send the
 same tokens) and ``continuous_usage_stats`` (so every chunk says how many tokens there are by
-then). Each run also records the CPU seconds the ``http`` and ``tokenizer`` processes used.
+then). Each run also records the CPU seconds the runtime's processes named in ``pids`` used and
+those of the driver itself (this process: the ZeroMQ client, or httpx reading every chunk).
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ def measure(
     for k, name in enumerate(("zmq", "http", "zmq (again)")):
         run_jobs = fresh(jobs, vocab, 1000 + k, f"cost{k}")
         before = {n: cpu_seconds(p) for n, p in pids.items()}
+        driver = time.process_time()
         if name == "http":
             records, wall = trio.run(drive_http, url, model, run_jobs)
         else:
             records, wall = trio.run(drive, endpoint, run_jobs)
         cpu = {n: cpu_seconds(p) - before[n] for n, p in pids.items()}
+        cpu["client"] = time.process_time() - driver
         s = report.summarize([r.summary() for r in records], wall)
         tokens = max(1, s["output_tokens"])
         row = {"run": name, **s}

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 from actors.eventlog.summary import table
-from gpu import cpu_field
+from gpu import cpu_name
 
 COLS = [
     "server",
@@ -38,6 +37,8 @@ COST_COLS = [
     "tpot_p99_ms",
     "http_cpu_us_per_token",
     "tokenizer_cpu_us_per_token",
+    "client_cpu_us_per_token",
+    "executor_cpu_us_per_token",
 ]
 
 
@@ -226,7 +227,7 @@ def write_report(
         pngs.append(_sweep_plot(out, sweep))
     lo = int(a.input_len * (1 - a.input_range))
     hi = int(a.input_len * (1 + a.input_range))
-    cpu = _cpu_name()
+    cpu = cpu_name()
     md = [
         "# minirt's OpenAI API vs vLLM's OpenAI server\n",
         f"Regenerate with:\n\n```sh\n{command}\n```\n",
@@ -267,7 +268,10 @@ def write_report(
             "## What the HTTP layer costs (minirt, same runtime, same W1 jobs)\n",
             "The same requests (prompts as token ids) through the ZeroMQ client (`actors.client`) "
             "and through `/v1/completions` (streamed, httpx), one after the other; CPU is what "
-            "the `http` and `tokenizer` processes used during each run, per output token.\n",
+            "the `http`, `tokenizer` and `executor` processes and the driver (`client`: the "
+            "ZeroMQ client or httpx, in the benchmark's process) used during each run, per "
+            "output token. On 2 cores the executor's two OpenMP threads share them with the "
+            "rest: its CPU per token grows with what the others take.\n",
             table(cost, COST_COLS),
         ]
     md += [f"![{p}]({p})\n" for p in pngs]
@@ -290,14 +294,3 @@ def slim(results: dict[str, Any]) -> dict[str, Any]:
     if isinstance(results, list):
         return [slim(v) for v in results]
     return results
-
-
-def _cpu_name() -> str:
-    """The CPU's name, with cpuid's family and model where the name is vague ("AMD EPYC" is a
-    Zen 4 at family 25, a Zen 5 at 26, with twice the float32 GEMM rate here) and whether it
-    has AMX."""
-    name = cpu_field("model name") or platform.processor() or platform.machine()
-    if family := cpu_field("cpu family"):
-        amx = "AMX" if "amx_bf16" in cpu_field("flags").split() else "no AMX"
-        name += f" (cpuid family {family} model {cpu_field('model') or '?'}, {amx})"
-    return name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 
 from actors.runtime.options import FALSE
 
@@ -27,3 +28,14 @@ def cpu_field(name: str) -> str:
     except OSError:
         pass
     return ""
+
+
+def cpu_name() -> str:
+    """The CPU's name, with cpuid's family and model where the name is vague ("AMD EPYC" is a
+    Zen 4 at family 25, a Zen 5 at 26, with twice the float32 GEMM rate here) and whether it
+    has AMX: what benchmark reports print as their machine."""
+    name = cpu_field("model name") or platform.processor() or platform.machine()
+    if family := cpu_field("cpu family"):
+        amx = "AMX" if "amx_bf16" in cpu_field("flags").split() else "no AMX"
+        name += f" (cpuid family {family} model {cpu_field('model') or '?'}, {amx})"
+    return name

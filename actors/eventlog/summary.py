@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
+
+from gpu import cpu_name
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -158,7 +162,9 @@ def write(
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
-    md = [f"# {title}\n", f"Regenerate with:\n\n```sh\n{command}\n```\n", *sections]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    machine = f"Machine: {cpu_name()}, {len(os.sched_getaffinity(0))} CPUs; written {when}.\n"
+    md = [f"# {title}\n", f"Regenerate with:\n\n```sh\n{command}\n```\n", machine, *sections]
     md += [f"![{p}]({p})\n" for p in pngs]
     path = out / "README.md"
     path.write_text("\n".join(md))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from gpu import cpu_name
+
 
 def test_scaling_report_has_both_sweeps(tiny_model, tmp_path):
     from benchmarks.scaling import main
@@ -20,4 +22,6 @@ def test_scaling_report_has_both_sweeps(tiny_model, tmp_path):
     assert ctx == [64, 1024 - 4 - 2]  # capped to leave room for the decode steps
     assert all(r["minirt_tok_s"] > 0 and not math.isnan(r["minirt_step_ms"]) for r in rows)
     assert (out / "decode_vs_batch.png").exists() and (out / "step_vs_context.png").exists()
-    assert "Regenerate with" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "Regenerate with" in readme
+    assert f"Machine: {cpu_name()}, " in readme  # a report says which CPU measured it
