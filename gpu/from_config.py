@@ -34,4 +34,5 @@ def executor_from_config(cfg: RuntimeConfig) -> Executor:
         budget_policy=x.budget_policy,
         step_target_ms=x.step_target_ms,
         bind_threads=x.bind_threads,
+        prompt_aligned=x.prompt_aligned,
     )
