@@ -90,7 +90,6 @@ class Executor:
         budget_policy: str = "fixed",
         step_target_ms: float = 0.0,
         bind_threads: bool = False,
-        prompt_aligned: bool = True,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -104,7 +103,6 @@ class Executor:
             decode_first,
             budget_policy,
             step_target_ms,
-            prompt_aligned,
         )
         self.budget.check()
         if block_size < 1:

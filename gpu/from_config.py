@@ -34,5 +34,4 @@ def executor_from_config(cfg: RuntimeConfig) -> Executor:
         budget_policy=x.budget_policy,
         step_target_ms=x.step_target_ms,
         bind_threads=x.bind_threads,
-        prompt_aligned=x.prompt_aligned,
     )

@@ -10,10 +10,6 @@
 - ``long_prefill_threshold`` / ``max_long_prefills``: a prompt longer than the threshold is
   *long*; at most ``max_long_prefills`` long prompts get a chunk in one step, so short prompts
   behind them are not blocked (0 disables the rule).
-- ``prompt_aligned`` (default): a step's prefill ends where a prompt ends when it can. A last
-  chunk that completes no prompt waits for the next step when the rest of its prompt fits in one
-  step's prefill (it completes in that step either way): the step is shorter by that chunk, so
-  the prompts it completes get their first tokens sooner. A step with one chunk keeps it.
 
 A decode whose block table has no room for its next token is skipped this step (reported), never
 waited on. Nothing is mutated; the caller applies the plan.
@@ -41,7 +37,6 @@ class StepBudget:
     decode_first: bool = True
     budget_policy: str = "fixed"  # or adaptive: a cap on each step's prefill (gpu/step_budget.py)
     step_target_ms: float = 0.0  # adaptive: the step time to keep to (0: from the start's model)
-    prompt_aligned: bool = True  # a trailing chunk that completes no prompt may wait (above)
 
     def check(self) -> None:
         if min(self.step_budget, self.chunk_cap, self.max_batch_size) < 1:
@@ -128,14 +123,6 @@ def plan_step(
             plan.chunks.append((req, c))
             budget -= c
             prefill_left -= c
-        if b.prompt_aligned and len(plan.chunks) > 1:
-            req, c = plan.chunks[-1]
-            rest = len(req.prompt) - req.computed
-            one_step = min(b.step_budget, b.chunk_cap, prefill_cap or b.step_budget)
-            if c < rest <= one_step:  # cut short, and whole in the next step anyway
-                plan.chunks.pop()
-                budget += c
-                prefill_left += c
 
     if b.decode_first:
         add_decodes()

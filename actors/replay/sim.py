@@ -36,7 +36,6 @@ REPLAYABLE = (
     ("executor", "long_prefill_threshold"),
     ("executor", "max_long_prefills"),
     ("executor", "decode_first"),
-    ("executor", "prompt_aligned"),
     ("executor", "budget_policy"),
     ("executor", "step_target_ms"),
 )

@@ -116,7 +116,6 @@ class Config:
             "long_prefill_threshold": self.budget.long_prefill_threshold,
             "max_long_prefills": self.budget.max_long_prefills,
             "decode_first": self.budget.decode_first,
-            "prompt_aligned": self.budget.prompt_aligned,
             "budget_policy": self.budget.budget_policy,
             "step_target_ms": self.budget.step_target_ms,
             "burst_wait_ms": self.burst_wait_ms,
@@ -162,8 +161,7 @@ def _config(events: list[dict[str, Any]], notes: list[str]) -> Config:
         victim_policy=sc.get("victim_policy", "newest"),
     )
     bnames = {f.name for f in dataclasses.fields(StepBudget)}
-    # runs recorded before prompt_aligned existed cut every step at the budget
-    budget = StepBudget(**{"prompt_aligned": False, **{k: v for k, v in xc.items() if k in bnames}})
+    budget = StepBudget(**{k: v for k, v in xc.items() if k in bnames})
     disk = _disk(events)
     if disk is not None:
         kv.disk_dir, kv.disk_bytes = "(replay)", disk.capacity

@@ -49,15 +49,6 @@ class ExecutorConfig:
             off_help="schedule prefill chunks before decodes in each step",
         ),
     )
-    prompt_aligned: bool = field(
-        default=True,
-        metadata=doc(
-            "end a step's prefill where a prompt ends: a last chunk that completes no prompt "
-            "waits for the next step when the rest of its prompt fits in one (the prompts the "
-            "step completes get their first tokens sooner); --no-prompt-aligned: cut at the "
-            "budget"
-        ),
-    )
     dtype: str | None = field(
         default=None,
         metadata=doc("weights and activations", choices=("float32", "bfloat16", "float16")),

@@ -73,29 +73,3 @@ def test_a_burst_wait_ends_once_the_step_is_full():
         "step_full",
         "timeout",
     ]
-
-
-def test_a_step_ends_where_a_prompt_ends_when_the_cut_one_fits_the_next_step():
-    """64 prompts of 128 tokens under a 1,123-token cap: cut at the cap, the step's last chunk
-    (99 tokens of the 9th prompt) completes nothing, yet the 8 prompts it completes wait for it.
-    Aligned, the step stops after the 8th and the 9th prompt runs whole in the next step."""
-    pre = [st(f"p{i}", 128) for i in range(64)]
-    cut = plan_step([], pre, StepBudget(prompt_aligned=False), 16, prefill_cap=1123)
-    assert names(cut)[1][-1] == ("p8", 99) and len(cut.completing()) == 8
-    aligned = plan_step([], pre, StepBudget(), 16, prefill_cap=1123)
-    assert names(aligned)[1] == [(f"p{i}", 128) for i in range(8)]
-    assert aligned.completing() == cut.completing()  # the same first tokens, 99 tokens sooner
-
-
-def test_a_cut_chunk_stays_when_waiting_would_delay_its_own_prompt():
-    # the rest of "long" (1,500 tokens) does not fit one step: computing 900 now saves a step
-    pre = [st("short", 100), st("long", 1600, computed=100)]
-    plan = plan_step([], pre, StepBudget(chunk_cap=1024), 16, prefill_cap=1000)
-    assert names(plan)[1] == [("short", 100), ("long", 900)]
-    # a step with one chunk keeps it: waiting would complete nothing sooner
-    alone = plan_step([], [st("a", 500)], StepBudget(), 16, prefill_cap=300)
-    assert names(alone)[1] == [("a", 300)]
-    # decodes first: y's 40-token cut waits, and the step decodes d and prefills x whole
-    dec = [st("d", 10, computed=10, out=1)]
-    mixed = plan_step(dec, [st("x", 60), st("y", 60)], StepBudget(step_budget=101), 16)
-    assert names(mixed) == (["d"], [("x", 60)])
