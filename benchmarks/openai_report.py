@@ -271,7 +271,7 @@ def write_report(
             "the `http`, `tokenizer` and `executor` processes and the driver (`client`: the "
             "ZeroMQ client or httpx, in the benchmark's process) used during each run, per "
             "output token. On 2 cores the executor's two OpenMP threads share them with the "
-            "rest: its CPU per token grows with what the others take.\n",
+            "rest: what the others take, the executor's share of the cores loses.\n",
             table(cost, COST_COLS),
         ]
     md += [f"![{p}]({p})\n" for p in pngs]
