@@ -439,7 +439,7 @@ async def test_the_step_strip_shows_speculative_decodings_acceptance(smollm2, tm
     """With ``--speculative-config``, the last-step line shows the step's drafts and the
     acceptance so far: the executor's own counts (its ``executor.step`` events)."""
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
-    flags = ("--speculative-config", spec)
+    flags = ("--speculative-config", spec, "--spec-max-rows", "16")  # drafts not priced on timings
     with start_http_runtime(smollm2, tmp_path / "rt", *flags, api_key="k") as hr:
         await trio.to_thread.run_sync(browser.get, f"{hr.url}/dashboard?key=k&refresh_ms=200")
 
