@@ -57,11 +57,10 @@ class StepCost:
         self.limit = limit
         # per band (rows up to rungs[0], then between two rungs, then past the top): the
         # running ratio of served steps' forward time to the table's, None until one ran there
-        # (``seen``); ``scale``: what prices each band, the ratio of band ``source[b]`` (its
-        # own, else the nearest band's that has one; None: no band has one, 1)
+        # (``seen``); band ``b`` is priced by the ratio of band ``source[b]`` (its own, else the
+        # nearest band's that has one; None while no band has one: the table as timed)
         self.seen: list[float | None] = [None] * (len(self.rows) + 1)
         self.source: list[int | None] = [None] * len(self.seen)
-        self.scale = [1.0] * len(self.seen)
 
     @classmethod
     def flat(cls, rows: int) -> StepCost:
@@ -71,7 +70,8 @@ class StepCost:
     def __call__(self, rows: int) -> float:
         if self.limit and rows > self.limit:
             return float("inf")
-        return self.table(rows) * self.scale[bisect.bisect_left(self.rows, rows)]
+        src = self.source[bisect.bisect_left(self.rows, rows)]
+        return self.table(rows) * (1.0 if src is None else (self.seen[src] or 1.0))
 
     def observe(self, rows: int, seconds: float) -> None:
         """A served step of ``rows`` decode and draft rows (no prompt's: those have no logits
@@ -84,14 +84,11 @@ class StepCost:
         band = bisect.bisect_left(self.rows, rows)
         ratio = seconds / self.table(rows)
         old = self.seen[band]
-        now = self.seen[band] = ratio if old is None else old + WEIGHT * (ratio - old)
+        self.seen[band] = ratio if old is None else old + WEIGHT * (ratio - old)
         if old is None:  # a band's first step: which band prices each may change (rarely)
             for b in range(len(self.source)):
                 near = (*range(b, -1, -1), *range(b + 1, len(self.seen)))
                 self.source[b] = next(c for c in near if self.seen[c] is not None)
-        for b, src in enumerate(self.source):
-            if src == band:
-                self.scale[b] = now
 
     def table(self, rows: int) -> float:
         """The start's table at ``rows``, uncorrected."""
