@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                 spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)  # attached before the run starts
             before = {k: cpu_seconds(v) for k, v in pids.items()}
-            res = run_client(client, url, model, out, f"w1-{rep}", client_args(a, "inf"), log)
+            # a seed of its own: a rep with the last one's prompts would hit the prefix cache
+            args = client_args(a, "inf", seed=1 + rep)
+            res = run_client(client, url, model, out, f"w1-{rep}", args, log)
             used = {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
             tokens = max(1, int(res["total_output_tokens"]))
             if spy is not None:

@@ -91,12 +91,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def client_args(a: argparse.Namespace, rate: str, n: int | None = None) -> list[str]:
+def client_args(a: argparse.Namespace, rate: str, n: int | None = None, seed: int = 0) -> list[str]:
     ratio = json.dumps({"input": a.input_range, "output": 0.0})
     return [
         "--num-prompts", str(n or a.num_prompts), "--random-input-len", str(a.input_len),
         "--random-output-len", str(a.output_len), "--random-range-ratio", ratio,
-        "--request-rate", rate, "--seed", "0", "--goodput", *a.goodput.split(),
+        "--request-rate", rate, "--seed", str(seed), "--goodput", *a.goodput.split(),
     ]  # fmt: skip
 
 

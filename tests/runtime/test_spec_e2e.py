@@ -26,6 +26,9 @@ def runtime(tiny_model, tmp_path_factory):
     flags = (
         "--num-blocks", "80", "--chunk-cap", "32", "--step-budget", "128",
         "--speculative-config", json.dumps(SPEC),
+        # drafts priced flat up to 64 rows (every step here fits), not on forwards timed at
+        # start: whether drafts run must not hang on the machine's speed at that moment
+        "--spec-max-rows", "64",
     )  # fmt: skip
     with start_runtime(tiny_model, tmp_path_factory.mktemp("spec"), *flags) as rt:
         yield rt
