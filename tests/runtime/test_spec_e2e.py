@@ -26,7 +26,7 @@ def runtime(tiny_model, tmp_path_factory):
     flags = (
         "--num-blocks", "80", "--chunk-cap", "32", "--step-budget", "128",
         "--speculative-config", json.dumps(SPEC),
-        # drafts priced flat up to 64 rows (every step here fits), not on forwards timed at
+        # drafts priced flat in steps of up to 64 rows, not on forwards timed at
         # start: whether drafts run must not hang on the machine's speed at that moment
         "--spec-max-rows", "64",
     )  # fmt: skip
