@@ -21,7 +21,13 @@ def gemm_rate(executor, rows: int = 256, reps: int = 50) -> float:
     """Best FLOP/s over ``reps`` calls of one of the executor's own linears (gate/up, the
     largest per layer) at ``rows`` input rows: the kernel and packing the forward uses."""
     lin = executor.model.layers[0].gate_up
-    dev = executor.device
+    best = linear_seconds(lin, rows, reps, executor.device)
+    return 2 * rows * lin.in_features * lin.out_features / best
+
+
+def linear_seconds(lin, rows: int, reps: int, dev: torch.device) -> float:
+    """Best seconds of ``reps`` calls of the linear ``lin`` on ``rows`` random rows on ``dev``,
+    after one untimed call (its kernel built)."""
     x = torch.randn(rows, lin.in_features, device=dev, dtype=lin.dtype)
     best = float("inf")
     with torch.inference_mode():
@@ -32,7 +38,7 @@ def gemm_rate(executor, rows: int = 256, reps: int = 50) -> float:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)
-    return 2 * rows * lin.in_features * lin.out_features / best
+    return best
 
 
 def workload_flops(spec, prompts: list[list[int]], new_tokens: int) -> float:

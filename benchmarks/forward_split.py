@@ -23,6 +23,7 @@ import torch
 
 import gpu.linear as linear
 from actors.bench.serve import default_bench_model
+from benchmarks.compute import linear_seconds
 from gpu.attention import build_metadata
 from gpu.executor import Executor
 from gpu.kv_cache import PagedKVCache
@@ -31,7 +32,8 @@ BS = 16
 CPU = torch.device("cpu")
 
 
-def _forwards(model, o: argparse.Namespace) -> dict[str, Callable[[], None]]:
+def _forwards(model, o: argparse.Namespace) -> list[tuple[str, int, Callable[[], None]]]:
+    """``(name, rows, forward)`` of the prefill and the decode forward."""
     spec = model.spec
     n, pl, rows, ctx = o.prompts, o.prompt_len, o.rows, o.context
     per = -(-max(pl, ctx + 1) // BS)
@@ -54,7 +56,10 @@ def _forwards(model, o: argparse.Namespace) -> dict[str, Callable[[], None]]:
         pos = torch.full((rows,), ctx)
         float(model.forward(ids, pos, meta, cache, torch.arange(rows))[-1, 0])
 
-    return {f"prefill {n} x {pl}": prefill, f"decode {rows} rows at context {ctx}": decode}
+    return [
+        (f"prefill {n} x {pl}", n * pl, prefill),
+        (f"decode {rows} rows at context {ctx}", rows, decode),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return y
 
     print(f"model {model_dir}, float32, 2 threads")
-    for name, fwd in _forwards(model, o).items():
-        rows = o.rows if name.startswith("decode") else o.prompts * o.prompt_len
+    for name, rows, fwd in _forwards(model, o):
         fwd()  # kernels built, caches warm
         for rnd in range(o.rounds):
-            linear.Linear.__call__ = plain  # type: ignore[method-assign]
             t = time.perf_counter()
             fwd()
             whole = time.perf_counter() - t
@@ -111,17 +114,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _alone(model, rows: int, spent: dict[tuple[int, int], list[float]]) -> float:
-    """FLOP/s of the layer's linears run back to back on ``rows`` random rows, weighted as the
-    forward's FLOPs were (the LM head, which a prefill runs on a few rows only, left out)."""
+    """FLOP/s of the layer's linears run alone on ``rows`` random rows (best of 4 calls each),
+    weighted as the forward's FLOPs were (the LM head, which a prefill runs on a few rows only,
+    left out)."""
     ly = model.layers[0]
     secs = flops = 0.0
     for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
-        x = torch.randn(rows, lin.in_features)
-        lin(x)
-        t = time.perf_counter()
-        for _ in range(4):
-            lin(x)
-        one = (time.perf_counter() - t) / 4
+        one = linear_seconds(lin, rows, 4, CPU)
         share = spent[(lin.in_features, lin.out_features)][1]
         secs += share / (2.0 * rows * lin.in_features * lin.out_features) * one
         flops += share

@@ -29,13 +29,8 @@ def test_a_speculating_run_replays_with_its_acceptance(smollm2, tmp_path):
     # --spec-max-rows: draft rows priced flat, not on forwards timed at start, so whether drafts
     # run does not hang on the machine's speed at that moment (what this test checks is the replay)
     flags = (
-        "--num-blocks",
-        "256",
-        "--speculative-config",
-        json.dumps(SPEC),
-        "--spec-max-rows",
-        "16",
-    )
+        "--num-blocks", "256", "--speculative-config", json.dumps(SPEC), "--spec-max-rows", "16",
+    )  # fmt: skip
 
     async def serve(rt) -> None:
         async with open_client(rt.endpoint) as client:
