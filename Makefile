@@ -26,7 +26,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 typecheck: install
-	$(VENV)/bin/mypy messages actors tokenizer_svc gpu
+	$(VENV)/bin/mypy messages actors gpu tokenizer_svc minirt
 
 pytest: install
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

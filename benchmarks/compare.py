@@ -21,20 +21,20 @@ VLLM = "vLLM CPU offline LLM.generate"
 
 
 def executor_alone(model: Path, prompts: list[list[int]], new: int) -> tuple[float, list, Any]:
-    """(tok/s, outputs, dtype) of the prompts through an ``Executor`` in this process, with the
+    """(tok/s, outputs, dtype) of the prompts through an ``ModelRunner`` in this process, with the
     runtime's default budgets (a smaller one would slow this row down)."""
     import torch
 
     from actors.runtime.config import ExecutorConfig, SchedulerConfig
     from benchmarks import executor as be
-    from gpu.executor import Executor
-    from gpu.loader import load_spec
+    from gpu.model.loader import load_spec
+    from gpu.model_runner import ModelRunner
 
     torch.set_num_threads(2)
     spec = load_spec(model)
     blocks = sum(-(-(len(p) + new) // 16) for p in prompts) + 64
     x, sc = ExecutorConfig(), SchedulerConfig()
-    ex = Executor(
+    ex = ModelRunner(
         model,
         num_blocks=blocks,
         chunk_cap=x.chunk_cap,
@@ -53,7 +53,7 @@ def vllm_tok_s(
     """vLLM's tok/s on the prompts (with its prefix cache, as the pipeline has one), or 0 and
     why it was skipped; and how it ran (tcmalloc preloaded or not: its CPU docs' advice)."""
     from benchmarks.vllm_row import bench_row
-    from gpu.loader import load_spec
+    from gpu.model.loader import load_spec
 
     v = bench_row(
         model,
@@ -76,7 +76,7 @@ def hf_rows(model: Path, prompts: list[list[int]], new: int, n: int, dt: Any) ->
     from transformers import AutoModelForCausalLM
 
     from benchmarks import executor as be
-    from gpu.loader import load_spec
+    from gpu.model.loader import load_spec
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dt).eval()
     pad = int(load_spec(model).hf_config.pad_token_id or 0)

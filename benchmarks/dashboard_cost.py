@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.bench.serve import default_bench_model
-from actors.launch.launch import start_runtime
+from minirt.bench.serve import default_bench_model
+from minirt.launch.launch import start_runtime
 
 
 def _free_port() -> int:
@@ -57,7 +57,7 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 def _w1(run_dir: Path, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "actors.cli", "bench", "serve", "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "minirt.cli", "bench", "serve", "--run-dir", str(run_dir)]
     cmd += ["--workload", "w1", "--requests", "256", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=900)
     return dict(json.loads((out / "report.json").read_text())["runs"]["minirt"]["summary"])

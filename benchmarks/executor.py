@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from actors.bench.serve import DEFAULT_MODEL
+from minirt.bench.serve import DEFAULT_MODEL
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -218,19 +218,19 @@ def main(argv: list[str]) -> int:
     if model_dir is None:
         model_dir = DEFAULT_MODEL
         if not (model_dir / "config.json").exists():
-            from gpu.make_model import make_model
+            from gpu.model.make_model import make_model
 
             make_model("qwen2", "bench", model_dir)
     from benchmarks import compute
-    from gpu.executor import Executor
-    from gpu.loader import load_spec
+    from gpu.model.loader import load_spec
+    from gpu.model_runner import ModelRunner
 
     spec = load_spec(model_dir)
     prompts = workload(a.requests, a.min_prompt, a.max_prompt, spec.vocab_size, a.seed)
     blocks = sum(-(-(len(p) + a.new_tokens) // 16) for p in prompts) + 64
 
-    def warmed(dtype: str) -> Executor:
-        ex = Executor(
+    def warmed(dtype: str) -> ModelRunner:
+        ex = ModelRunner(
             model_dir,
             dtype=dtype,
             device=a.device,

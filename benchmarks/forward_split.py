@@ -6,7 +6,7 @@ Two W1-like forwards of the bench model (float32, 2 threads), three rounds each:
 - **prefill**: ``--prompts`` prompts of ``--prompt-len`` tokens in one step;
 - **decode**: ``--rows`` decode rows, each at context ``--context``.
 
-The linears are timed by wrapping :class:`gpu.linear.Linear` calls (the LM head included), the
+The linears are timed by wrapping :class:`gpu.model.linear.Linear` calls (the LM head included), the
 forward by the wall clock; "rest" is the difference (attention, norms, RoPE, SiLU, KV writes).
 The K/V the forward reads is whatever the scratch cache holds: the timing does not depend on it::
 
@@ -21,12 +21,12 @@ from collections.abc import Callable
 
 import torch
 
-import gpu.linear as linear
-from actors.bench.serve import default_bench_model
+import gpu.model.linear as linear
 from benchmarks.compute import linear_seconds
-from gpu.attention import build_metadata
-from gpu.executor import Executor
-from gpu.kv_cache import PagedKVCache
+from gpu.model.attention import build_metadata
+from gpu.model.kv_cache import PagedKVCache
+from gpu.model_runner import ModelRunner
+from minirt.bench.serve import default_bench_model
 
 BS = 16
 CPU = torch.device("cpu")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     o = p.parse_args(argv)
     torch.set_num_threads(2)
     model_dir = o.model or default_bench_model()
-    ex = Executor(
+    ex = ModelRunner(
         model_dir, dtype="float32", device="cpu", num_blocks=64, chunk_cap=1024,
         step_budget=8192, max_batch_size=256, threads=2,
     )  # fmt: skip

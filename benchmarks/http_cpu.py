@@ -22,12 +22,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from actors.bench.serve import default_bench_model
 from benchmarks.openai import WORK, _args, client_args, minirt_server
 from benchmarks.openai_cost import cpu_seconds
 from benchmarks.openai_servers import ensure_venv, run_client
+from minirt.bench.serve import default_bench_model
 
-OUTER = ("<frozen runpy>", "actors/cli.py", "actors/launch/runner.py", "trio/_core/_run.py")
+OUTER = ("<frozen runpy>", "minirt/cli.py", "minirt/launch/runner.py", "trio/_core/_run.py")
 
 
 def top_functions(raw: Path, n: int = 15) -> list[tuple[float, str]]:

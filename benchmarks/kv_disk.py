@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 import trio
 
-from actors.bench.workloads import load_tokenizer, render
-from actors.launch.launch import start_runtime
 from benchmarks.openai import free_port
+from minirt.bench.workloads import load_tokenizer, render
+from minirt.launch.launch import start_runtime
 
 QUESTIONS = [
     "Summarise the passage above in two sentences.",
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from gpu.sources import resolve
+        from gpu.model.sources import resolve
 
         model = Path(resolve("", say=print).path)
     tok = load_tokenizer(model)

@@ -27,9 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from actors.bench.serve import default_bench_model
 from benchmarks.openai_report import write_report
 from benchmarks.openai_servers import ensure_venv, run_client, vllm_server, wait_health
+from minirt.bench.serve import default_bench_model
 
 WORK = Path(".minirt/bench-openai")
 
@@ -104,7 +104,7 @@ def client_args(a: argparse.Namespace, rate: str, n: int | None = None, seed: in
 def minirt_server(
     a: argparse.Namespace, model: Path, work: Path, extra: str = ""
 ) -> Iterator[tuple[str, Any]]:
-    from actors.launch.launch import start_runtime
+    from minirt.launch.launch import start_runtime
 
     port = free_port()
     kv = str(a.kv_gib << 30)
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def http_cost(a: argparse.Namespace, model: Path, url: str, rt: Any) -> list[dict[str, Any]]:
-    from actors.bench.workloads import w1
     from benchmarks.openai_cost import measure
+    from minirt.bench.workloads import w1
 
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     jobs = w1(vocab, seed=0, n=a.num_prompts, new_tokens=a.output_len)

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import trio
 
-from actors.bench.driver import Record, drive
-from actors.bench.workloads import Job
-from actors.eventlog import summary as report
+from minirt.bench.driver import Record, drive
+from minirt.bench.workloads import Job
+from minirt.eventlog import summary as report
 
 
 def cpu_seconds(pid: int) -> float:

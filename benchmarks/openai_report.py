@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from actors.eventlog.summary import table
 from gpu import cpu_name
+from minirt.eventlog.summary import table
 
 COLS = [
     "server",
@@ -266,7 +266,7 @@ def write_report(
     if cost:
         md += [
             "## What the HTTP layer costs (minirt, same runtime, same W1 jobs)\n",
-            "The same requests (prompts as token ids) through the ZeroMQ client (`actors.client`) "
+            "The same requests (prompts as token ids) through the ZeroMQ client (`minirt.client`) "
             "and through `/v1/completions` (streamed, httpx), one after the other; CPU is what "
             "the `http`, `tokenizer` and `executor` processes and the driver (`client`: the "
             "ZeroMQ client or httpx, in the benchmark's process) used during each run, per "

@@ -1,7 +1,7 @@
 """The W1 executor-alone profile of any checkout of minirt, for before/after op tables.
 
 ``scripts/profile-tree TREE OUT [TITLE]`` runs W1 (64 requests, prompts 32..256, 64 new tokens,
-bench model, float32, 2 threads, step budget 8192) through TREE's own ``Executor`` and
+bench model, float32, 2 threads, step budget 8192) through TREE's own ``ModelRunner`` and
 ``run_ours`` (e.g. a ``git worktree`` of an older commit), once timed and once under
 torch.profiler, and writes the op table (self CPU time, top 30) to OUT with both tok/s and a hash
 of the output tokens (equal hashes: identical outputs). Run as a file, not a module: TREE goes
@@ -22,15 +22,15 @@ def main(tree: str, out: str, title: str) -> None:
     try:
         from benchmarks.executor import DEFAULT_MODEL, run_ours, workload
     except ImportError:  # a tree from before the benchmarks left the package
-        from actors.bench.executor import DEFAULT_MODEL, run_ours, workload  # type: ignore
-    from gpu.executor import Executor
-    from gpu.loader import load_spec
+        from minirt.bench.executor import DEFAULT_MODEL, run_ours, workload  # type: ignore
+    from gpu.model.loader import load_spec
+    from gpu.model_runner import ModelRunner
 
     torch.set_num_threads(2)
     spec = load_spec(DEFAULT_MODEL)
     prompts = workload(64, 32, 256, spec.vocab_size, 0)
     blocks = sum(-(-(len(p) + 64) // 16) for p in prompts) + 64
-    ex = Executor(
+    ex = ModelRunner(
         DEFAULT_MODEL, dtype="float32", device="cpu", num_blocks=blocks, chunk_cap=1024,
         step_budget=8192, max_batch_size=256, threads=2,
     )  # fmt: skip

@@ -161,11 +161,11 @@ def ours_teacher_forced(
 ) -> list[torch.Tensor]:
     """Per prompt: our log-probs ``[len(forced), vocab]``, prefilling the prompt then decoding the
     forced tokens (all requests batched in each decode step)."""
-    from gpu.executor import Executor
+    from gpu.model_runner import ModelRunner
 
     bs = 16
     blocks = sum(-(-(len(p) + len(f)) // bs) for p, f in zip(prompts, forced, strict=True))
-    ex = Executor(
+    ex = ModelRunner(
         model_dir,
         dtype=dtype,
         num_blocks=blocks + 1,
@@ -173,7 +173,7 @@ def ours_teacher_forced(
         threads=threads,
         device=device,
     )
-    from gpu.attention import build_metadata
+    from gpu.model.attention import build_metadata
 
     tables, nxt = [], 0
     for p, f in zip(prompts, forced, strict=True):
@@ -283,7 +283,7 @@ def _row(out: dict, prefix: str, label: str, got: Agreement) -> None:
 
 def main(argv: list[str]) -> int:
     from benchmarks.executor import DEFAULT_MODEL, workload
-    from gpu.loader import load_spec
+    from gpu.model.loader import load_spec
 
     p = argparse.ArgumentParser(prog="minirt bench quality", description=__doc__)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)

@@ -28,10 +28,10 @@ from typing import Any
 
 import trio
 
-from actors.bench.driver import drive
-from actors.bench.workloads import Job, mix, poisson
-from actors.eventlog import summary as run_summary
-from actors.replay import report, runlog, sim, stepmodel, synth, workload
+from minirt.bench.driver import drive
+from minirt.bench.workloads import Job, mix, poisson
+from minirt.eventlog import summary as run_summary
+from minirt.replay import report, runlog, sim, stepmodel, synth, workload
 
 LONG_PREFILL: dict[str, Any] = {
     "long-prefill-threshold": 512,
@@ -78,7 +78,7 @@ def record(model: Path, flags: str, jobs: list[Job], out: Path, name: str) -> di
     """One real run: start a runtime, drive ``jobs``, keep its events and the client records."""
     import shlex
 
-    from actors.launch.launch import start_runtime
+    from minirt.launch.launch import start_runtime
 
     print(f"recording {name} ({len(jobs)} requests, flags {flags!r})", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="minirt-replay-") as d:
@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
     if a.model:
         model = Path(a.model)
     else:
-        from actors.bench.serve import default_bench_model
+        from minirt.bench.serve import default_bench_model
 
         model = default_bench_model()
     mcfg = json.loads((model / "config.json").read_text())

@@ -24,10 +24,10 @@ from typing import Any
 
 import trio
 
-from actors.eventlog import is_request, read_events
-from actors.eventlog import summary as report
-from actors.launch.router import RouterSpec, running_router
 from benchmarks.http_load import HttpRecord, hit_rate, reference_texts, run_jobs, text_w2
+from minirt.eventlog import is_request, read_events
+from minirt.eventlog import summary as report
+from minirt.launch.router import RouterSpec, running_router
 
 COLS = [
     "run",
@@ -168,8 +168,8 @@ def _about(a: argparse.Namespace, model_dir: Path) -> str:
 
 def main(argv: list[str]) -> int:
     a = _args(list(argv))
-    from actors.bench.serve import default_bench_model
-    from actors.launch.launch import start_runtime
+    from minirt.bench.serve import default_bench_model
+    from minirt.launch.launch import start_runtime
 
     model_dir = Path(a.model) if a.model else default_bench_model()
     from transformers import AutoTokenizer

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from actors.eventlog import summary as report
+from minirt.eventlog import summary as report
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXTS = [128, 256, 512, 1024, 2048, 4096]
@@ -80,10 +80,10 @@ def run_minirt(a, model: Path, pts, vocab: int) -> list[float]:
     """Seconds of ``steps`` decode steps at each point, for our executor, timed step by step
     (the same quantity as vLLM's difference of two runs, with less noise)."""
     from benchmarks.executor import run_ours, workload
-    from gpu.executor import Executor
+    from gpu.model_runner import ModelRunner
 
     need = max(b * -(-(c + a.steps + 1) // 16) for _, b, c in pts) + 16
-    ex = Executor(
+    ex = ModelRunner(
         model, dtype=a.dtype, num_blocks=need, step_budget=8192, max_batch_size=256,
         threads=a.threads,
     )  # fmt: skip
@@ -142,8 +142,8 @@ def plot(out: Path, rows: list[dict[str, Any]], systems: list[str]) -> list[str]
 def main(argv: list[str]) -> int:
     a = _args(list(argv))
     torch.set_num_threads(a.threads)
-    from actors.bench.serve import default_bench_model
-    from gpu.loader import load_spec
+    from gpu.model.loader import load_spec
+    from minirt.bench.serve import default_bench_model
 
     model = a.model or default_bench_model()
     spec = load_spec(model)

@@ -9,7 +9,7 @@ template, rendered here, so every server gets the same ids), greedy, its own EOS
 Workloads (SmolLM2-135M-Instruct by default):
 
 - ``grounded``: answers that copy their input: code edits of standard-library functions
-  (``actors.bench.workloads.code_edit``) and passages of ``pydoc_data.topics`` to quote back.
+  (``minirt.bench.workloads.code_edit``) and passages of ``pydoc_data.topics`` to quote back.
 - ``free``: free chat (questions written here, answers not in the prompt).
 - ``mixed``: both at once.
 - ``json``: structured output that copies its input: each ``pydoc_data`` passage asked back as a
@@ -37,9 +37,9 @@ from typing import Any
 import httpx
 import trio
 
-from actors.bench.workloads import code_edit, load_tokenizer, render
 from benchmarks.http_load import TextJob, complete
 from benchmarks.openai import free_port
+from minirt.bench.workloads import code_edit, load_tokenizer, render
 
 SPEC = {
     "method": "ngram",
@@ -176,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=".minirt/bench-spec")
     p.add_argument("--out", default="docs/benchmarks/spec-decode")
     a = p.parse_args(argv)
-    from actors.launch.launch import start_runtime
     from benchmarks.openai_servers import wait_health
+    from minirt.launch.launch import start_runtime
 
     if a.model:
         model = Path(a.model).absolute()
     else:
-        from gpu.sources import resolve
+        from gpu.model.sources import resolve
 
         model = Path(resolve("").path)
     tok = load_tokenizer(model)

@@ -190,14 +190,14 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(a.threads)
     model_dir = a.model or DEFAULT_MODEL
     if a.model is None and not (model_dir / "config.json").exists():
-        from gpu.make_model import make_model
+        from gpu.model.make_model import make_model
 
         make_model("qwen2", "bench", model_dir)
     from transformers import AutoTokenizer
 
-    from gpu.executor import Executor
-    from gpu.loader import load_spec
-    from gpu.structured.grammar import GrammarCache
+    from actors.shared.grammar import GrammarCache
+    from gpu.model.loader import load_spec
+    from gpu.model_runner import ModelRunner
     from messages.common import StructuredOutput
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,7 +206,7 @@ def main(argv: list[str]) -> int:
         spec = load_spec(served)
         prompts = workload(a.requests, a.min_prompt, a.max_prompt, spec.vocab_size, a.seed)
         blocks = sum(-(-(len(p) + a.new_tokens) // 16) for p in prompts) + 16
-        ex = Executor(served, num_blocks=blocks, step_budget=2048, threads=a.threads)
+        ex = ModelRunner(served, num_blocks=blocks, step_budget=2048, threads=a.threads)
         schemas = list(SCHEMAS.values())
         llg_tok = ex.structured.cache.tokenizer()  # built once, not part of a compile
         cold = GrammarCache(lambda: llg_tok)

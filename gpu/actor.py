@@ -1,7 +1,7 @@
 """The executor actor: sockets and the step loop around ``ExecutorCore`` (``gpu/core.py``).
 
 The core decides (the flight ledger, runs and ends, the burst wait, what a step publishes,
-recovery); this shell holds the sockets, the ``Executor`` (model + paged KV) and time. Each
+recovery); this shell holds the sockets, the ``ModelRunner`` (model + paged KV) and time. Each
 iteration hands the core what the inbox parked (runs, block grants, preemptions, stops), waits
 for a burst when the core says so, runs one mixed prefill/decode step in a worker thread (or on
 the main thread, gpu/main_thread.py) and sends the core's outbox. It blocks only when it has
@@ -23,12 +23,12 @@ import trio
 
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
-from gpu import disk_jobs
 from gpu.core import ExecutorCore
-from gpu.executor import Executor, StepResult
-from gpu.from_config import executor_from_config
+from gpu.disk import jobs as disk_jobs
 from gpu.kernels import isa as kernel_isa
-from gpu.paged_kernel import usable
+from gpu.model.from_config import executor_from_config
+from gpu.model.paged_kernel import usable
+from gpu.model_runner import ModelRunner, StepResult
 from gpu.structured.builds import GrammarBuilt, build_grammar
 from messages import executor as xm
 from messages.common import Reconcile
@@ -38,7 +38,7 @@ class ExecutorActor(Actor):
     name = "executor"
     inbound = xm.ExecutorInbound
 
-    def __init__(self, cfg: RuntimeConfig, executor: Executor | None = None) -> None:
+    def __init__(self, cfg: RuntimeConfig, executor: ModelRunner | None = None) -> None:
         super().__init__(cfg)
         self.ex = executor or executor_from_config(cfg)
         self.grammars = self.ex.structured.cache

@@ -1,7 +1,7 @@
 """ExecutorCore: the executor actor's decisions as a pure, synchronous state machine.
 
 Messages in, an outbox out; no sockets, no threads, the clock injected. The executor actor
-(``gpu/actor.py``) drives it around the real ``Executor``; the replay (``actors/replay/execsim.py``)
+(``gpu/actor.py``) drives it around the real ``ModelRunner``; the replay (``minirt/replay/execsim.py``)
 drives the same core around a stand-in whose forward is the fitted step-time model. What it owns:
 
 - **the flight ledger**: each running attempt (``Flight``): its attempt number, prompt, the
@@ -16,12 +16,12 @@ drives the same core around a stand-in whose forward is the fitted step-time mod
 - **publishing** a step (``planned``, ``stepped``): ``prefill_done`` for the prompts a step
   completes as soon as it is planned, then its tokens, the ends, and the KV growth one
   ``lookahead`` ahead of need (``gpu/publish.py``);
-- **the disk tier** (``--kv-disk-dir``, ``gpu/disk_io.py``): runs whose prefix is read from
+- **the disk tier** (``--kv-disk-dir``, ``gpu/disk/io.py``): runs whose prefix is read from
   disk first, the writes and deletes the KV manager asks for, done by the driver off the loop;
 - **recovery** from a peer's crash (``gpu/recovery.py``): what runs here for a restarted
   scheduler (``held``), every block table for the KV manager's successor (``holding``).
 
-The runner (``Runner``) is what holds the requests' state and runs the steps: ``Executor``.
+The runner (``Runner``) is what holds the requests' state and runs the steps: ``ModelRunner``.
 The executor trusts what it runs (the front door validated it): see ``gpu/requests.py``.
 """
 
@@ -33,15 +33,15 @@ from typing import Any, Protocol
 
 import msgspec
 
-from gpu.disk_io import DiskIO, DiskRead, DiskWritten
+from actors.shared.grammar import Compiled, GrammarCache, GrammarError
+from gpu.disk.io import DiskIO, DiskRead, DiskWritten
 from gpu.publish import step_messages
 from gpu.recovery import Flight, Recovery
 from gpu.request_table import RequestTable
 from gpu.requests import ExecutorInputError, StepResult
 from gpu.spec.verify import spec_fields
-from gpu.step_plan import burst_end
+from gpu.step.plan import burst_end
 from gpu.structured.builds import GrammarBuilt, MatcherBuilds
-from gpu.structured.grammar import Compiled, GrammarCache, GrammarError
 from messages import executor as xm
 from messages import kv
 from messages.scheduler import PrefillDone, RequestDone
@@ -51,7 +51,7 @@ Outgoing = tuple[str, msgspec.Struct]
 
 
 class Runner(Protocol):
-    """What the core drives: ``gpu.executor.Executor``, or the replay's stand-in. ``requests``
+    """What the core drives: ``gpu.model_runner.ModelRunner``, or the replay's stand-in. ``requests``
     holds what runs; ``start`` adds a run to it (the executor builds its sampling state)."""
 
     requests: RequestTable
@@ -103,7 +103,7 @@ class ExecutorCore:
         return self.builds.take() if self.builds is not None else []
 
     def take_disk(self) -> list[xm.Run | xm.DiskSave | xm.DiskDrop]:
-        """The disk-tier work for the driver's worker threads (``gpu/disk_io.py``): runs whose
+        """The disk-tier work for the driver's worker threads (``gpu/disk/io.py``): runs whose
         files to read (answered with ``DiskRead``), saves (``DiskWritten``) and deletes."""
         return self.disk.take() if self.disk is not None else []
 

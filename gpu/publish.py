@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from actors.kv.reservation import grow_to
+from actors.shared.reservation import grow_to
 from gpu.recovery import Flight, finished
 from gpu.requests import StepResult
 from messages.kv import Grow

@@ -1,15 +1,15 @@
 """The requests an executor holds: prefilling (prompt not yet all computed) and decoding, by id.
 
 What the executor core asks of any runner (``gpu/core.py``): whether there is work, how much, a
-request's block table and what it can hold; the real ``Executor`` and the replay's stand-in
-(``actors/replay/execsim.py``) keep their requests in one of these, and plan steps over it.
+request's block table and what it can hold; the real ``ModelRunner`` and the replay's stand-in
+(``minirt/replay/execsim.py``) keep their requests in one of these, and plan steps over it.
 """
 
 from __future__ import annotations
 
-from actors.kv.reservation import kv_tokens_at_most
+from actors.shared.reservation import kv_tokens_at_most
 from gpu.requests import ExecutorInputError, RequestState
-from gpu.step_plan import StepBudget, StepPlan, fills_a_step, plan_step
+from gpu.step.plan import StepBudget, StepPlan, fills_a_step, plan_step
 
 
 class RequestTable:
@@ -62,7 +62,7 @@ class RequestTable:
         return len(self.prefilling) + len(self.decoding)
 
     def fills_a_step(self) -> bool:
-        """Whether the requests held fill one step (``gpu.step_plan.fills_a_step``)."""
+        """Whether the requests held fill one step (``gpu.step.plan.fills_a_step``)."""
         return fills_a_step(self.prefilling.values(), self.num_requests(), self.budget)
 
     def plan(self, prefill_cap: int | None = None) -> StepPlan:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from gpu.logits_processors import LogitsProcessors
     from gpu.spec.ngram import NgramTokens
     from gpu.spec.verify import SpecStats
-    from gpu.step_budget import Costs
+    from gpu.step.budget import Costs
     from gpu.structured.masks import GrammarState
 
 
@@ -50,7 +50,7 @@ class TokenOutput:
 
 @dataclass
 class StepResult:
-    """What one ``Executor.step`` did; ``forward_s`` covers the forward and sampling, ``step_s``
+    """What one ``ModelRunner.step`` did; ``forward_s`` covers the forward and sampling, ``step_s``
     the whole call (scheduling, input building, bookkeeping included), ``mask_s`` the grammar
     work of constrained rows (bitmask fill and application, matcher advance; within
     ``forward_s``). ``failed``: ``(request_id, field, reason)`` of requests that ended in
@@ -75,7 +75,7 @@ class StepResult:
 
 @dataclass
 class RequestState:
-    """One in-flight request as the executor tracks it (mutated by Executor.step): the wire
+    """One in-flight request as the executor tracks it (mutated by ModelRunner.step): the wire
     params, and the sampling state derived from them (resolved seed, stop ids, the logit
     processors' token counts and the grammar's matcher, each None when the request uses none).
     ``ngram``: its tokens for the draft proposer, None when it does not speculate."""

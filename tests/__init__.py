@@ -3,7 +3,7 @@
 - ``kv``: the KV manager (pool, radix cache, core, actor, stateful model test)
 - ``scheduler``: the scheduler's core, policies and step plans
 - ``executor``: the forward, kernels, models and sampling, exactness against transformers
-- ``front_door``: the tokenizer service (the ZMQ front door) and its clients
+- ``tokenizer_svc``: the tokenizer (the front door: the ZMQ trust boundary) and its clients
 - ``http``: the OpenAI API, its errors and streams, metrics, the dashboard, security
 - ``structured``: structured output (grammars, end to end, over HTTP)
 - ``runtime``: the transport, liveness, config, launch (``minirt up``) and the docs checks

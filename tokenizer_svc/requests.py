@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from gpu.structured.grammar import GrammarCache, GrammarError, hf_llg_tokenizer
+from actors.shared.grammar import GrammarCache, GrammarError, hf_llg_tokenizer
 from messages.common import ErrorCode, SamplingParams, StructuredOutput, validate_params
 from messages.tokenizer import Generate
 from tokenizer_svc.agent.tools import (

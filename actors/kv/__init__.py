@@ -4,12 +4,12 @@ policies, and the actor's protocol-level core (``actors.kv.core.KVCore``). Synch
 no torch; ``actors.kv.actor`` is the only module with sockets."""
 
 from actors.kv.block_pool import BlockPool
-from actors.kv.errors import KVError, KVInvariantError
 from actors.kv.manager import KVManager, RequestState
 from actors.kv.radix_cache import PrefixMatch, RadixCache, RadixNode
-from actors.kv.reservation import ReserveMode, reserve_tokens
 from actors.kv.results import Admitted, Extended, KVStats, Refused, Shortage
-from actors.kv.victim import VictimPolicy, pick_victim
+from actors.shared.errors import KVError, KVInvariantError
+from actors.shared.reservation import ReserveMode, reserve_tokens
+from actors.shared.victim import VictimPolicy, pick_victim
 
 __all__ = [
     "Admitted",

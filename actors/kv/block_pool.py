@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from actors.kv.errors import KVError, KVInvariantError
+from actors.shared.errors import KVError, KVInvariantError
 
 
 class BlockPool:

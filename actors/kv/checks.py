@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors.kv.errors import KVInvariantError
 from actors.kv.radix_cache import RadixCache, RadixNode
+from actors.shared.errors import KVInvariantError
 
 if TYPE_CHECKING:
     from actors.kv.manager import KVManager

@@ -37,11 +37,11 @@ from typing import Any
 import msgspec
 
 from actors.kv.disk_control import DiskControl
-from actors.kv.errors import KVError
 from actors.kv.manager import KVManager
 from actors.kv.rebuild import Rebuilding, RebuildMixin
 from actors.kv.results import Extended, Refused, Shortage
 from actors.runtime.config import KVConfig
+from actors.shared.errors import KVError
 from messages import kv as km
 from messages.common import Reconcile
 from messages.executor import Extend

@@ -29,9 +29,9 @@ from typing import Any
 
 import msgspec
 
-from actors.kv.blockhash import disk_keys, salted
 from actors.kv.disk_tier import DiskTier
 from actors.kv.manager import KVManager
+from actors.shared.blockhash import disk_keys, salted
 from messages import executor as xm
 from messages import kv as km
 

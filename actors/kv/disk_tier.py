@@ -1,6 +1,6 @@
 """DiskTier: the KV manager's index and policy for the prefix cache's second tier, on disk.
 
-The executor holds the bytes (``gpu/disk_store.py``: one file per block, named by its key); this
+The executor holds the bytes (``gpu/disk/store.py``: one file per block, named by its key); this
 is what the KV manager knows of them: which keys exist, least recently used first, the byte
 bound, and the saves in flight. Keys are ``blockhash.disk_keys``: a chain over a block's tokens
 seeded with the model's fingerprint and the request's ``cache_salt``.

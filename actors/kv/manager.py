@@ -18,13 +18,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from actors.kv.block_pool import BlockPool
-from actors.kv.blockhash import salted
 from actors.kv.checks import check_manager
-from actors.kv.errors import KVError, KVInvariantError
 from actors.kv.radix_cache import RadixCache, RadixNode
-from actors.kv.reservation import RESERVE_MODES, ReserveMode, reserve_tokens
 from actors.kv.results import Admitted, Extended, KVStats, Refused, Shortage
-from actors.kv.victim import VictimPolicy, pick_victim
+from actors.shared.blockhash import salted
+from actors.shared.errors import KVError, KVInvariantError
+from actors.shared.reservation import RESERVE_MODES, ReserveMode, reserve_tokens
+from actors.shared.victim import VictimPolicy, pick_victim
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class KVManager:
 
     def reserve_for(self, prompt_len: int, max_tokens: int) -> int:
         """Tokens to pass as ``reserve_tokens`` (admit) or ``new_total_tokens`` (extend), by
-        this manager's mode (``actors.kv.reservation.reserve_tokens``). During decode call
+        this manager's mode (``actors.shared.reservation.reserve_tokens``). During decode call
         ``extend(rid, reserve_for(tokens_so_far, tokens_still_allowed))``."""
         return reserve_tokens(
             self.mode,
@@ -336,7 +336,7 @@ class KVManager:
         exclude: Collection[str] = (),
     ) -> str | None:
         """Name the running request to preempt, or None if none is eligible. Pure: see
-        ``actors.kv.victim.pick_victim`` (``priority``: the lowest value goes first)."""
+        ``actors.shared.victim.pick_victim`` (``priority``: the lowest value goes first)."""
         seqs = {rid: req.seq for rid, req in self.requests.items()}
         return pick_victim(seqs, policy, priorities, exclude)
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from actors.kv.block_pool import BlockPool
-from actors.kv.errors import KVError
+from actors.shared.errors import KVError
 
 
 class RadixNode:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.kv.errors import KVError
+from actors.shared.errors import KVError
 from messages import kv as km
 from messages.scheduler import KVRebuilt
 

@@ -135,7 +135,7 @@ class SecurityConfig:
 
 @dataclass
 class HttpConfig:
-    """The OpenAI-compatible HTTP API (the ``http`` actor, tokenizer_svc/http/)."""
+    """The OpenAI-compatible HTTP API (the ``http`` actor, minirt/http/)."""
 
     port: int = field(
         default=8000, metadata=doc("OpenAI API port (0: no HTTP server)", flag="http-port")

@@ -22,7 +22,7 @@ class ExecutorConfig:
         default="adaptive",
         metadata=doc(
             "each step's prefill tokens: adaptive (what a step-time target leaves once the "
-            "decodes are priced, from a model fitted online; gpu/step_budget.py) or fixed "
+            "decodes are priced, from a model fitted online; gpu/step/budget.py) or fixed "
             "(--step-budget)",
             choices=("adaptive", "fixed"),
         ),

@@ -15,7 +15,7 @@ this host is watched through its pid (the actor waits on a pidfd) and its exit g
   silent for ``dead_after_s`` also ``DIED``; that bound grows to 4x the longest silence a peer
   came back from, so a machine that pauses for long also waits longer. A peer on this host is
   never declared dead by silence: its supervisor restarts it when it is wedged
-  (actors/launch/supervisor.py);
+  (minirt/launch/supervisor.py);
 - a peer that never answered is never declared dead;
 - a ``Pong`` carrying a new ``boot_id`` from a peer believed alive means it ``RESTARTED``: its
   predecessor died, however fast the restart, and the new process is alive;

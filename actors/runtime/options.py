@@ -4,7 +4,7 @@
 sections) and gives one ``Option`` per plain field: its flag (the field's name with dashes, or
 ``doc(flag=...)``), its environment variable (``MINIRT_`` + the flag in capitals), its type
 (``str``, ``int``, ``float``, ``bool``, a ``Literal`` of strings, or one of them ``| None``),
-help and allowed values. Pure: no argparse, no ``os.environ``; ``actors.cli`` and
+help and allowed values. Pure: no argparse, no ``os.environ``; ``minirt.cli`` and
 ``actors.runtime.config`` use it.
 """
 

@@ -19,11 +19,11 @@ decided in ``CoreState.take_outbox``, base.py).
 
 from __future__ import annotations
 
-from actors.kv.reservation import reserve_tokens
 from actors.runtime.config import KVConfig
 from actors.scheduler.base import AdmissionState, CoreState
 from actors.scheduler.preemption import Preemption
 from actors.scheduler.state import SchedRequest, Status
+from actors.shared.reservation import reserve_tokens
 from messages import executor as xm
 from messages import kv as km
 from messages import tokenizer as tm

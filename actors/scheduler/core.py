@@ -54,7 +54,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors.kv.blockhash import chain_hashes
 from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.admission import Admission
 from actors.scheduler.base import AdmissionState, CoreState, Outgoing
@@ -64,6 +63,7 @@ from actors.scheduler.queue import WaitingQueue
 from actors.scheduler.reconcile import Reconcile
 from actors.scheduler.recovery import Recovery
 from actors.scheduler.state import SchedRequest
+from actors.shared.blockhash import chain_hashes
 from messages import kv as km
 from messages.common import ErrorCode
 from messages.scheduler import (

@@ -12,11 +12,11 @@ copy of a submit that a restarted scheduler already rebuilt is dropped (reconcil
 
 from __future__ import annotations
 
-from actors.kv.blockhash import chain_hashes
 from actors.scheduler.admission import Admission
 from actors.scheduler.base import CoreState
 from actors.scheduler.reconcile import Reconcile
 from actors.scheduler.state import Status
+from actors.shared.blockhash import chain_hashes
 from messages import executor as xm
 from messages import tokenizer as tm
 from messages.common import ErrorCode

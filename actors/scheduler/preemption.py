@@ -8,7 +8,7 @@ Two triggers, one at a time (``preempting``):
   the least important running request yields and is requeued by policy, not first.
 The victim is stopped in the executor (``x_preempt``); once the executor confirms
 (``done{preempted}``, ``requeue``) its blocks are released and it is requeued with the tokens it
-generated. Victims are chosen by the one victim policy, ``actors.kv.victim.pick_victim``.
+generated. Victims are chosen by the one victim policy, ``actors.shared.victim.pick_victim``.
 ``Preemption`` owns the one preemption in flight (``preempting``).
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from actors.kv.victim import VictimPolicy, pick_victim
 from actors.scheduler.base import CoreState
 from actors.scheduler.state import SchedRequest, Status
+from actors.shared.victim import VictimPolicy, pick_victim
 from messages import executor as xm
 from messages import kv as km
 from messages.scheduler import GrowthShortage, RequestDone

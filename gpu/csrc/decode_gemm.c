@@ -1,5 +1,5 @@
 /* Decode-sized float32 linears: out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the few rows of a
- * decode step (gpu/linear.py). At those row counts every weight is read from memory once per step
+ * decode step (gpu/model/linear.py). At those row counts every weight is read from memory once per step
  * for a few dozen multiply-adds, and a kernel that stalls on those reads costs about the sum of
  * the memory time and the arithmetic time. This one reads the weight as one sequential stream per
  * thread, from a copy laid out for it (rows_pack_f32: blocks of RB rows, k-major inside a block,

@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from gpu.attention import build_metadata
-from gpu.kv_cache import PagedKVCache
+from gpu.model.attention import build_metadata
+from gpu.model.kv_cache import PagedKVCache
 
 LADDER = (*range(1, 17), 20, 24, 32, 48, 64)
 ROUNDS = 3

@@ -9,7 +9,7 @@ abort or newer attempt meanwhile drops the wait, and a late answer is then ignor
 
 from __future__ import annotations
 
-from gpu.structured.grammar import Compiled, GrammarCache, GrammarError
+from actors.shared.grammar import Compiled, GrammarCache, GrammarError
 from messages.executor import Run
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from actors.shared.grammar import Compiled, GrammarCache, GrammarError, hf_llg_tokenizer
 from gpu.requests import ExecutorInputError, RequestState
-from gpu.structured.grammar import Compiled, GrammarCache, GrammarError, hf_llg_tokenizer
 from gpu.structured.masks import GrammarState, Masker
 from messages.common import SamplingParams, StructuredOutput
 

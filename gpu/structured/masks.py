@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpu.structured.grammar import Compiled
+from actors.shared.grammar import Compiled
 
 NEG_INF = float("-inf")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from actors.bench import serve
-from actors.bench.serve import main
+from minirt.bench import serve
+from minirt.bench.serve import main
 
 
 def test_bench_serve_writes_report_with_variants(tiny_model, tmp_path):
@@ -86,7 +86,9 @@ def test_compare_names_how_vllm_ran(monkeypatch, tmp_path):
     ]:
         row = {"vllm_tok_s": 100.0, "vllm_ld_preload": preload}
         monkeypatch.setattr(vllm_row, "bench_row", lambda *a, r=row, **k: r)
-        monkeypatch.setattr("gpu.loader.load_spec", lambda m: type("S", (), {"max_model_len": 9}))
+        monkeypatch.setattr(
+            "gpu.model.loader.load_spec", lambda m: type("S", (), {"max_model_len": 9})
+        )
         assert compare.vllm_tok_s(tmp_path, [[1]], 1, [[2]], 1.0) == (100.0, "", want)
 
 
@@ -99,12 +101,12 @@ def test_every_bench_mode_runs_from_a_checkout_and_serve_ships_in_the_package(tm
     import tomllib
     from pathlib import Path
 
-    from actors.cli import _BENCH_MODES
+    from minirt.cli import _BENCH_MODES
 
     root = Path(__file__).resolve().parents[2]
     for mode in _BENCH_MODES:
         got = subprocess.run(
-            [sys.executable, "-m", "actors.cli", "bench", mode, "--help"],
+            [sys.executable, "-m", "minirt.cli", "bench", mode, "--help"],
             cwd=tmp_path,  # not the checkout: the CLI finds benchmarks/ itself
             capture_output=True,
             text=True,

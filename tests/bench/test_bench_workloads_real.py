@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.bench import workloads as w
+from minirt.bench import workloads as w
 
 SYSTEM = (300, 500)
 CODE = (150, 400)
@@ -88,7 +88,7 @@ def test_code_edit_is_deterministic_and_its_code_within_bounds(tok):
 
 
 def test_serve_fits_the_workloads_to_the_model_context(tok):
-    from actors.bench.serve import real_jobs
+    from minirt.bench.serve import real_jobs
 
     context = 1024  # the tiny model's positions
     jobs = real_jobs("docs-qa", tok, seed=0, requests=6, context=context)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu import attention, linear, paged_kernel
-from gpu.attention import build_metadata, group_by_length, paged_attention
-from gpu.kv_cache import PagedKVCache
-from gpu.linear import Linear, packing_enabled
+from gpu.model import attention, linear, paged_kernel
+from gpu.model.attention import build_metadata, group_by_length, paged_attention
+from gpu.model.kv_cache import PagedKVCache
+from gpu.model.linear import Linear, packing_enabled
 
 
 def _cost(nblocks: list[int], groups: list[list[int]], group_cost: int) -> int:
@@ -140,7 +140,7 @@ def test_lone_rows_use_the_kept_plain_weight_in_float32_only(monkeypatch):
     not packing_enabled(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
 )
 def test_decode_row_counts_use_the_row_copy_and_prefill_tiles_the_packed_one(monkeypatch):
-    from gpu import cpu_ops
+    from gpu.model import cpu_ops
 
     monkeypatch.setattr(linear, "mkl_gemv_fast", lambda: True)  # an Intel CPU
     torch.manual_seed(0)
@@ -167,7 +167,7 @@ def test_bf16_decode_rows_are_within_one_rounding_of_the_exact_product(monkeypat
     output is the float32 sum of the bf16 products rounded to bf16 once, so it lies within one
     bf16 step of the exact product, at every row count it takes (1-12 in place, 13-64 through
     the transposed scratch); prefill tiles stay on oneDNN."""
-    from gpu import cpu_ops
+    from gpu.model import cpu_ops
 
     monkeypatch.setattr(linear, "amx_bf16", lambda: False)  # the kernel, on AMX machines too
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_bf16_decode_rows_are_within_one_rounding_of_the_exact_product(monkeypat
 def test_off_intel_lone_rows_skip_mkl_and_the_plain_copy_is_not_kept(monkeypatch):
     """MKL's gemv is slow off Intel CPUs (2-4x the decode-row kernel on a Zen 5): one row goes
     through the row copy (or the packed weight), and a layer does not keep its plain copy."""
-    from gpu import cpu_ops
+    from gpu.model import cpu_ops
 
     monkeypatch.setattr(linear, "mkl_gemv_fast", lambda: False)
     torch.manual_seed(0)

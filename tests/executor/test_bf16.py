@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.executor import workload
 from benchmarks.quality import compare
-from gpu.executor import Executor
+from gpu.model_runner import ModelRunner
 from messages.common import SamplingParams
 
 
@@ -26,8 +26,8 @@ def test_bf16_teacher_forced_tracks_float32_transformers(tiny_models, arch):
 
 
 def test_cpu_default_stays_float32_and_bf16_is_packed(tiny_model):
-    assert Executor(tiny_model, device="cpu", num_blocks=8).dtype == torch.float32
-    ex = Executor(tiny_model, device="cpu", dtype="bfloat16", num_blocks=64)
+    assert ModelRunner(tiny_model, device="cpu", num_blocks=8).dtype == torch.float32
+    ex = ModelRunner(tiny_model, device="cpu", dtype="bfloat16", num_blocks=64)
     # bf16 on CPU: the MLP in bf16; the attention block, its KV cache, the residual stream, the
     # norms and the (tied) LM head in fp32
     assert ex.dtype == torch.bfloat16 and ex.cache.k[0].dtype == torch.float32

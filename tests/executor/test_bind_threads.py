@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from actors.client import open_client
+from minirt.client import open_client
 from tests.support.runtime import start_runtime
 
 

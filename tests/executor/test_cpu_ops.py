@@ -1,4 +1,4 @@
-"""The fused C passes of the float32 forward (gpu.cpu_ops) compute what the torch expressions
+"""The fused C passes of the float32 forward (gpu.model.cpu_ops) compute what the torch expressions
 they replace compute: RoPE and the KV write bit for bit, RMSNorm and SiLU-and-multiply up to
 float rounding; and they step aside (None) where they do not apply. Each test runs under every
 instruction-set build of the kernels this CPU runs (the ``isa`` fixture), the portable one
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_ops, kernels
+from gpu import kernels
+from gpu.model import cpu_ops
 
 pytestmark = pytest.mark.usefixtures("isa")
 

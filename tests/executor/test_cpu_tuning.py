@@ -12,7 +12,7 @@ import pytest
 PROBE = """
 import resource, sys
 import torch
-from gpu.cpu_tuning import tune_malloc
+from gpu.model.cpu_tuning import tune_malloc
 torch.set_num_threads(2)
 if sys.argv[1] == "tuned":
     assert tune_malloc()
@@ -85,7 +85,7 @@ def _vm_flags(addr: int) -> list[str]:
 def test_the_cpu_kv_pool_is_one_zeroed_pool_advised_for_huge_pages(monkeypatch, advise):
     import torch
 
-    from gpu.kv_cache import PagedKVCache
+    from gpu.model.kv_cache import PagedKVCache
 
     monkeypatch.setenv("MINIRT_KV_HUGE_PAGES", advise)
     cache = PagedKVCache(4, 2, 64, 1024, 16, torch.float32, torch.device("cpu"))  # 32 MiB

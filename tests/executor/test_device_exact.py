@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu.executor import Executor
-from gpu.make_model import ARCHS
+from gpu.model.make_model import ARCHS
+from gpu.model_runner import ModelRunner
 from messages.common import SamplingParams
 from tests.executor.test_executor import Driver, _prompts
 
@@ -39,7 +39,7 @@ def greedy_against_transformers(model_dir, prompts: list[list[int]], new_tokens:
     """Our greedy tokens (mixed steps: 7-token chunks, a 40-token step budget) against
     transformers' ``generate`` in float32 on DEVICE; counts of equal requests and of near-tie
     divergences. Fails at a divergence that is not a near tie."""
-    ex = Executor(
+    ex = ModelRunner(
         model_dir, device=DEVICE, dtype="float32", num_blocks=2000, chunk_cap=7, step_budget=40
     )
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(DEVICE)
@@ -66,7 +66,7 @@ def greedy_against_transformers(model_dir, prompts: list[list[int]], new_tokens:
         assert gap < NEAR_TIE, f"request {i} diverged at output {j} (gap {gap:.3g}): {ours} {ref}"
         ties += 1
     assert len(drv.free) == ex.num_blocks  # every block came back
-    if DEVICE.startswith("cuda"):  # its per-shape plans cost 7.3 ms a call (gpu/executor.py)
+    if DEVICE.startswith("cuda"):  # its per-shape plans cost 7.3 ms a call (gpu/model_runner.py)
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     return {"requests": len(prompts), "equal": equal, "near_ties": ties}
 

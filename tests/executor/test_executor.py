@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu.executor import Executor, ExecutorInputError
-from gpu.loader import UnsupportedModelError
-from gpu.make_model import ARCHS
+from gpu.model.loader import UnsupportedModelError
+from gpu.model.make_model import ARCHS
+from gpu.model_runner import ExecutorInputError, ModelRunner
 from messages.common import SamplingParams
 
 NEW_TOKENS = 16
@@ -26,7 +26,7 @@ class Driver:
     It grants blocks late at random (its own generator, seeded: the same steps in any test
     order), so requests are skipped for lack of room and resume when their blocks come."""
 
-    def __init__(self, ex: Executor, seed: int = 0) -> None:
+    def __init__(self, ex: ModelRunner, seed: int = 0) -> None:
         self.ex = ex
         self.rng = random.Random(seed)
         self.free = list(range(ex.num_blocks - 1, -1, -1))
@@ -110,7 +110,7 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _exactness(model_dir: Path, device: str) -> None:
-    ex = Executor(
+    ex = ModelRunner(
         model_dir, device=device, dtype="float32", num_blocks=600, chunk_cap=7, step_budget=40
     )
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
@@ -132,7 +132,7 @@ def test_mixed_steps_match_transformers(tiny_models, arch):
 
 
 def test_steps_mix_decodes_and_mid_prompt_chunks(tiny_model):
-    ex = Executor(tiny_model, num_blocks=64, chunk_cap=7, step_budget=40)
+    ex = ModelRunner(tiny_model, num_blocks=64, chunk_cap=7, step_budget=40)
     drv = Driver(ex)
     drv.add("a", list(range(5, 10)))
     ex.step()  # "a" prefilled in one chunk, first token sampled
@@ -148,7 +148,7 @@ def test_steps_mix_decodes_and_mid_prompt_chunks(tiny_model):
 def test_a_step_names_the_prompts_it_completes_before_its_forward(tiny_model):
     """What the executor actor tells the scheduler at plan time (``PrefillDone``), so requests
     that share the prompt's prefix are admitted while the forward runs."""
-    ex = Executor(tiny_model, num_blocks=64, chunk_cap=7, step_budget=40)
+    ex = ModelRunner(tiny_model, num_blocks=64, chunk_cap=7, step_budget=40)
     drv = Driver(ex)
     drv.add("a", list(range(5, 10)))
     drv.add("b", list(range(100, 118)))  # 18 tokens: chunks of 7, 7, 4
@@ -172,7 +172,7 @@ def test_mixed_steps_match_transformers_cuda(tiny_models):
 
 
 def test_prefix_reuse_matches_from_scratch(tiny_model):
-    ex = Executor(tiny_model, num_blocks=128, chunk_cap=7, step_budget=40)
+    ex = ModelRunner(tiny_model, num_blocks=128, chunk_cap=7, step_budget=40)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     rng = random.Random(3)
     base = [rng.randrange(3, ex.vocab_size) for _ in range(64)]
@@ -197,7 +197,7 @@ def test_prefix_reuse_matches_from_scratch(tiny_model):
 
 
 def test_prompt_tokens_computed_are_only_the_uncached(tiny_model):
-    ex = Executor(tiny_model, num_blocks=32)
+    ex = ModelRunner(tiny_model, num_blocks=32)
     drv = Driver(ex)
     drv.add("a", list(range(3, 40)))
     drv.run(keep_blocks=True)
@@ -206,7 +206,7 @@ def test_prompt_tokens_computed_are_only_the_uncached(tiny_model):
 
 
 # What the executor still checks: the invariants a peer could get wrong (the client's fields are
-# the front door's to validate, tests/front_door/test_bad_input.py; the executor trusts them).
+# the front door's to validate, tests/tokenizer_svc/test_bad_input.py; the executor trusts them).
 BAD_INPUTS = [
     ("prompt_ids", dict(prompt=[])),
     ("prompt_ids", dict(prompt=[5] * 1024, table="auto")),
@@ -222,7 +222,7 @@ BAD_INPUTS = [
 
 def test_bad_input_names_request_and_field_and_leaves_others_untouched(tiny_model):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    ex = Executor(tiny_model, num_blocks=256, chunk_cap=7, step_budget=20)
+    ex = ModelRunner(tiny_model, num_blocks=256, chunk_cap=7, step_budget=20)
     drv = Driver(ex)
     prompts = {f"ok{i}": [11 + i] * (30 + 9 * i) for i in range(3)}
     for rid, p in prompts.items():
@@ -259,7 +259,7 @@ def test_bad_input_names_request_and_field_and_leaves_others_untouched(tiny_mode
 
 
 def test_finish_reasons_and_eos(tiny_model):
-    ex = Executor(tiny_model, num_blocks=32)
+    ex = ModelRunner(tiny_model, num_blocks=32)
     drv = Driver(ex)
     drv.add("len", [40, 41, 42], SamplingParams(max_tokens=3, ignore_eos=True))
     drv.run()
@@ -273,20 +273,20 @@ def test_finish_reasons_and_eos(tiny_model):
 
 
 def test_abort_drops_request(tiny_model):
-    ex = Executor(tiny_model, num_blocks=32)
+    ex = ModelRunner(tiny_model, num_blocks=32)
     ex.add_request("a", [1, 2, 3], SamplingParams(), [0])
     assert ex.abort("a") and not ex.has_work() and not ex.abort("a")
 
 
 def test_block_budget_and_unsupported_arch(tiny_model, tmp_path):
-    ex = Executor(tiny_model, kv_memory=1 << 20, block_size=8)
+    ex = ModelRunner(tiny_model, kv_memory=1 << 20, block_size=8)
     per_block = 2 * 2 * 2 * 16 * 8 * 4  # K+V, layers, kv heads, head dim, tokens, float32
     assert ex.num_blocks == (1 << 20) // per_block and ex.block_size == 8
     assert ex.device.type == "cpu" and ex.dtype == torch.float32
     cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*Qwen3ForCausalLM"):
-        Executor(tmp_path)
+        ModelRunner(tmp_path)
 
 
 def test_pool_size_has_one_default(tiny_model, monkeypatch):
@@ -294,21 +294,21 @@ def test_pool_size_has_one_default(tiny_model, monkeypatch):
     fifth of the memory left after the weights (their expected footprint, WEIGHT_COPIES times
     their bytes), at most what max_batch_size requests of the model's context can use."""
     from actors.runtime.config import RuntimeConfig
-    from gpu import memory
-    from gpu.kv_cache import resolve_max_model_len, resolve_num_blocks
-    from gpu.loader import load_spec
+    from gpu.model import memory
+    from gpu.model.kv_cache import resolve_max_model_len, resolve_num_blocks
+    from gpu.model.loader import load_spec
 
     cfg = RuntimeConfig(model=str(tiny_model))
     per_block = 2 * 2 * 2 * 16 * 16 * 4  # K+V, layers, kv heads, head dim, tokens, float32
     # plenty of memory: capped at 256 requests x 1,024 positions
     assert resolve_num_blocks(cfg) == 256 * 1024 // 16
-    assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
+    assert ModelRunner(tiny_model).num_blocks == resolve_num_blocks(cfg)
     # 64 MiB available: a fifth of what is left once the weights' footprint is taken
     spec = load_spec(tiny_model)
     monkeypatch.setattr(memory, "device_memory", lambda device: (64 << 20, 64 << 20))
     left = (64 << 20) - int(memory.weight_bytes(spec, torch.float32) * memory.WEIGHT_COPIES["cpu"])
     assert resolve_num_blocks(cfg) == int(left * 0.2) // per_block
-    assert Executor(tiny_model).num_blocks == resolve_num_blocks(cfg)
+    assert ModelRunner(tiny_model).num_blocks == resolve_num_blocks(cfg)
     cfg.kv.kv_memory = float(1 << 20)
     assert resolve_num_blocks(cfg) == (1 << 20) // per_block
     cfg.kv.num_blocks = 7
@@ -324,7 +324,7 @@ def test_pool_size_has_one_default(tiny_model, monkeypatch):
 
 
 def test_logprobs(tiny_model):
-    ex = Executor(tiny_model, num_blocks=32)
+    ex = ModelRunner(tiny_model, num_blocks=32)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     prompt = [50, 60, 70, 80]
     ex.add_request("a", prompt, SamplingParams(max_tokens=2, logprobs=5, ignore_eos=True), [0])
@@ -369,7 +369,7 @@ def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
     """``--profile``'s op table says where a step's time goes, the kernel library's operators
     included, each under its own name."""
     from benchmarks.executor import main
-    from gpu import paged_kernel
+    from gpu.model import paged_kernel
 
     if paged_kernel.kernel() is None:
         pytest.skip("the kernel library is switched off (MINIRT_PAGED_KERNEL=0)")

@@ -15,7 +15,7 @@ import zmq
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.transport import open_socket
 from gpu.actor import ExecutorActor
-from gpu.executor import Executor
+from gpu.model_runner import ModelRunner
 from messages import executor as xm
 from messages.codec import Decoder, encode
 from messages.common import PROTOCOL_VERSION, Hello, HelloAck, Ping, Pong, SamplingParams
@@ -52,7 +52,7 @@ class Harness:
         cfg.executor.burst_wait_ms = burst_wait_ms
         cfg = cfg.resolve()
         (tmp_path / "sock").mkdir(exist_ok=True)
-        self.actor = ExecutorActor(cfg, executor=Executor(tiny_model, num_blocks=64))
+        self.actor = ExecutorActor(cfg, executor=ModelRunner(tiny_model, num_blocks=64))
         ctx = zmq.Context.instance()
         self.peers = {
             name: open_socket(ctx, zmq.ROUTER, bind=cfg.endpoints.of(name))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.launch.replicas import assign_gpus, plan, visible_gpus
-from gpu import loader, memory
-from gpu.kv_cache import PagedKVCache, pool_blocks
-from gpu.model import LlamaFamilyModel
+from gpu.model import loader, memory
+from gpu.model.kv_cache import PagedKVCache, pool_blocks
+from gpu.model.llama import LlamaFamilyModel
+from minirt.launch.replicas import assign_gpus, plan, visible_gpus
 
 GIB = 1 << 30
 H200 = 141 * GIB

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from gpu.make_model import ARCHS
+from gpu.model.make_model import ARCHS
 
 
 def test_every_arch_loads_and_generates_varied_text(tiny_models):
@@ -37,7 +37,7 @@ def test_tokenizer_round_trips_unicode_and_has_chat_template(tiny_model):
 
 
 def test_same_seed_gives_same_weights(tmp_path):
-    from gpu.make_model import make_model
+    from gpu.model.make_model import make_model
 
     a = make_model("llama", "tiny", tmp_path / "a")
     b = make_model("llama", "tiny", tmp_path / "b")
@@ -50,7 +50,7 @@ def test_same_seed_gives_same_weights(tmp_path):
 
 def test_q05_is_qwen25_05b_shaped_and_qwen2_only(tmp_path):
     """The 0.39B benchmark body (never built in the tests: its shape and guard only)."""
-    from gpu.make_model import SIZES, _sizes, make_model
+    from gpu.model.make_model import SIZES, _sizes, make_model
 
     assert "q05" in SIZES
     d = _sizes("q05")

@@ -2,7 +2,7 @@
 on a tiny random model (or served up to the length where it is: longrope, sliding window), and
 every config field the runtime does not compute refused at start, naming the field.
 
-docs/models.md has the table; gpu.loader.load_spec the refusals and caps; gpu.model's
+docs/models.md has the table; gpu.model.loader.load_spec the refusals and caps; gpu.model.llama's
 ``LlamaFamilyModel._rope_table`` the RoPE tables.
 """
 
@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gpu.executor import Executor, ExecutorInputError
-from gpu.loader import UnsupportedModelError, load_spec
-from gpu.make_model import make_model
+from gpu.model.loader import UnsupportedModelError, load_spec
+from gpu.model.make_model import make_model
+from gpu.model_runner import ExecutorInputError, ModelRunner
 from messages.common import SamplingParams
 from tests.executor.test_executor import Driver, compare, reference
 
@@ -179,11 +179,11 @@ def _randomize(model_dir: Path, suffixes: tuple[str, ...], seed: int = 0) -> Non
     save_file(weights, str(path), metadata={"format": "pt"})
 
 
-def _greedy_matches(model_dir: Path, lengths: tuple[int, ...], seed: int = 0) -> Executor:
+def _greedy_matches(model_dir: Path, lengths: tuple[int, ...], seed: int = 0) -> ModelRunner:
     """Greedy tokens of minirt's executor (chunked prefill, paged cache) and of transformers'
     ``generate`` for prompts of ``lengths``, each up to the served length; they must agree (a
     first difference only at a near-tie of transformers' logits, at most once)."""
-    ex = Executor(
+    ex = ModelRunner(
         model_dir, device="cpu", dtype="float32", num_blocks=64, chunk_cap=7, step_budget=40
     )
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -222,7 +222,7 @@ def test_untied_head_without_its_weights_is_refused(tmp_path):
     del weights["lm_head.weight"]
     save_file(weights, str(path), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"tie_word_embeddings is false but .* no lm_head\.weight"):
-        Executor(model_dir, device="cpu", dtype="float32", num_blocks=8)
+        ModelRunner(model_dir, device="cpu", dtype="float32", num_blocks=8)
 
 
 # ---- refused at start, naming the field; capped where exact only below a length ------------
@@ -230,7 +230,7 @@ def test_untied_head_without_its_weights_is_refused(tmp_path):
 
 def _config_dir(tmp_path: Path, arch: str, **fields: Any) -> Path:
     """A model directory holding only a tiny ``arch`` config.json with ``fields`` set in it."""
-    from gpu.make_model import _sizes
+    from gpu.model.make_model import _sizes
 
     cfg = AutoConfig.for_model(arch, **_sizes("tiny"))  # the tiny test models' shapes
     cfg.save_pretrained(str(tmp_path))
@@ -300,7 +300,7 @@ def test_refused_naming_the_field(tmp_path, name):
     with pytest.raises(UnsupportedModelError, match=message):
         load_spec(model_dir)
     with pytest.raises(UnsupportedModelError, match=message):
-        Executor(model_dir)  # refused before any weight is read: there are none here
+        ModelRunner(model_dir)  # refused before any weight is read: there are none here
 
 
 CAPS: dict[str, tuple[str, dict[str, Any], int]] = {

@@ -1,4 +1,4 @@
-"""What ``--model`` takes (gpu/sources.py): an HF directory, a .gguf file, a hub id from the local
+"""What ``--model`` takes (gpu/model/sources.py): an HF directory, a .gguf file, a hub id from the local
 Hugging Face cache, the default SmolLM2 (or, offline, the built-in tiny model); a tied head
 stored under either name; and what the runtime refuses at once (a hub id not cached, a request
 that could never fit the KV pool)."""
@@ -16,10 +16,10 @@ import httpx
 import pytest
 import torch
 
-from actors.client import RequestError, open_client
-from gpu import sources
-from gpu.executor import Executor
+from gpu.model import sources
+from gpu.model_runner import ModelRunner
 from messages.common import SamplingParams
+from minirt.client import RequestError, open_client
 from tests.support.http_server import start_http_runtime
 from tests.support.runtime import hf_greedy, kv_stats, start_runtime, wait_until
 
@@ -33,7 +33,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(5, 40))] for _ in range(n)]
 
 
-def _greedy(ex: Executor, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+def _greedy(ex: ModelRunner, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """minirt's executor, all prompts in one batch, greedy."""
     per = -(-(max(map(len, prompts)) + max_new) // ex.block_size)
     outs: dict[str, list[int]] = {}
@@ -71,7 +71,7 @@ def test_lm_head_only_tied_checkpoint_serves_like_transformers(tiny_model, tmp_p
     weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     prompts = _prompts(4, seed=3)
-    got = _greedy(Executor(out, num_blocks=64), prompts, MAX_NEW)
+    got = _greedy(ModelRunner(out, num_blocks=64), prompts, MAX_NEW)
     assert got == hf_greedy(out, prompts, MAX_NEW)
 
 
@@ -79,7 +79,7 @@ def test_untied_checkpoint_without_embedding_is_refused(tiny_models, tmp_path):
     """An untied model (llama tiny) missing its embedding: refused, never the head reused."""
     from safetensors.torch import load_file, save_file
 
-    from gpu.loader import UnsupportedModelError
+    from gpu.model.loader import UnsupportedModelError
 
     out = tmp_path / "no-embed"
     shutil.copytree(tiny_models["llama"], out)
@@ -87,7 +87,7 @@ def test_untied_checkpoint_without_embedding_is_refused(tiny_models, tmp_path):
     del weights["model.embed_tokens.weight"]
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match=r"model\.embed_tokens\.weight"):
-        Executor(out, num_blocks=8)
+        ModelRunner(out, num_blocks=8)
 
 
 def test_hub_id_resolves_from_the_local_cache_only(tiny_model, tmp_path, monkeypatch):
@@ -122,7 +122,7 @@ def test_a_missing_hub_id_fails_at_once_naming_it(tmp_path):
     env = {"HF_HUB_CACHE": str(tmp_path / "empty-hub"), "PATH": "/usr/bin:/bin"}
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--model", "nobody/no-such-model"]
+        [sys.executable, "-m", "minirt.cli", "up", "--model", "nobody/no-such-model"]
         + ["--run-dir", str(tmp_path / "rt"), "--http-port", "0"],
         capture_output=True,
         text=True,
@@ -192,7 +192,7 @@ def test_gguf_file_serves_like_transformers_reading_the_gguf(smollm2, tmp_path, 
             out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16)
             want.append(out[0, len(p) :].tolist())
     del ref
-    ex = Executor(got.path, num_blocks=64, dtype="float32")
+    ex = ModelRunner(got.path, num_blocks=64, dtype="float32")
     eos = set(ex.eos_token_ids)
     got_ids = _greedy(ex, prompts, 16)
     for g, w in zip(got_ids, want, strict=True):  # transformers pads past EOS: compare up to it

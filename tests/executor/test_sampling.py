@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.executor import Executor
+from gpu.model_runner import ModelRunner
 from gpu.sampling import filter_logits, sample
 from messages.common import SamplingParams, validate_params
 
@@ -145,7 +145,9 @@ def test_validate_names_the_field():
     assert validate_params(SamplingParams(logit_bias={10**6: 1.0})) is None  # no vocab: ids >= 0
 
 
-def _run(ex: Executor, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+def _run(
+    ex: ModelRunner, reqs: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, list[int]]:
     nxt = 0
     outs: dict[str, list[int]] = {}
     for rid, (prompt, params) in reqs.items():
@@ -161,7 +163,7 @@ def _run(ex: Executor, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dic
 
 
 def test_seeded_request_same_alone_and_in_batch(tiny_model):
-    ex = Executor(tiny_model, num_blocks=512, chunk_cap=9, step_budget=50)
+    ex = ModelRunner(tiny_model, num_blocks=512, chunk_cap=9, step_budget=50)
     target = (
         [30, 31, 32, 33, 34] * 9,
         SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True),
@@ -188,7 +190,7 @@ def test_seeded_request_same_alone_and_in_batch(tiny_model):
 
 
 def test_seeded_request_survives_preemption(tiny_model):
-    ex = Executor(tiny_model, num_blocks=64)
+    ex = ModelRunner(tiny_model, num_blocks=64)
     prompt = [7, 8, 9, 10, 11, 12]
     params = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
     full = _run(ex, {"a": (prompt, params)})["a"]
@@ -227,7 +229,7 @@ def test_plain_batches_skip_the_processors(tiny_model, monkeypatch):
         return real(logits, rows, pending)
 
     monkeypatch.setattr(gpu.sampling, "apply_processors", spy)
-    ex = Executor(tiny_model, num_blocks=128)
+    ex = ModelRunner(tiny_model, num_blocks=128)
     plain = {
         "g": ([5, 6, 7], SamplingParams(max_tokens=6)),
         "s": ([5, 6, 7], SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=6)),
@@ -240,7 +242,7 @@ def test_plain_batches_skip_the_processors(tiny_model, monkeypatch):
 
 
 def test_logit_bias_forces_the_greedy_token(tiny_model):
-    ex = Executor(tiny_model, num_blocks=128)
+    ex = ModelRunner(tiny_model, num_blocks=128)
     prompt = [40, 41, 42, 43]
     alone = _run(ex, {"g": (prompt, SamplingParams(max_tokens=8))})["g"]
     outs = _run(
@@ -255,7 +257,7 @@ def test_logit_bias_forces_the_greedy_token(tiny_model):
 
 
 def test_min_tokens_holds_back_eos(tiny_model):
-    ex = Executor(tiny_model, num_blocks=128)
+    ex = ModelRunner(tiny_model, num_blocks=128)
     eos = min(ex.eos_token_ids)
     pushed = dict(max_tokens=10, logit_bias={eos: 100.0})
     assert _run(ex, {"a": ([9, 10, 11], SamplingParams(**pushed))})["a"] == [eos]
@@ -270,7 +272,7 @@ def test_repetition_penalty_matches_transformers_generate(tiny_model):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    ex = Executor(tiny_model, num_blocks=256, chunk_cap=7, step_budget=40)
+    ex = ModelRunner(tiny_model, num_blocks=256, chunk_cap=7, step_budget=40)
     prompts = [[30, 31, 30, 31, 30, 31, 32], [100 + i % 5 for i in range(40)], [7] * 19]
     reqs: dict[str, tuple[list[int], SamplingParams]] = {}
     for i, p in enumerate(prompts):
@@ -295,7 +297,7 @@ def test_repetition_penalty_matches_transformers_generate(tiny_model):
 def test_penalized_request_survives_preemption(tiny_model, temperature, penalty):
     """Negative penalties favour generated tokens: the counts of the outputs before the
     preemption decide the tokens after it."""
-    ex = Executor(tiny_model, num_blocks=64)
+    ex = ModelRunner(tiny_model, num_blocks=64)
     prompt = [7, 8, 9, 10, 11, 12, 7, 8]
     plain = dict(max_tokens=14, ignore_eos=True, temperature=temperature, seed=5)
     params = SamplingParams(

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from gpu.executor import Executor
+from gpu.model_runner import ModelRunner
 from messages.common import SamplingParams, StructuredOutput
 from tests.support.runtime import hf_greedy
 
@@ -60,7 +60,7 @@ class Run:
     """Drives an executor as the KV manager would: a table per request (whole, or grown a block
     at a time when ``lazy``), blocks back when a request ends or is aborted."""
 
-    def __init__(self, ex: Executor, lazy: bool = False) -> None:
+    def __init__(self, ex: ModelRunner, lazy: bool = False) -> None:
         self.ex, self.lazy = ex, lazy
         self.free = list(range(ex.num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
@@ -125,11 +125,11 @@ class Run:
         return sum(s.num_draft_tokens for s in self.spec_steps())
 
 
-def executor(model_dir, speculative=SPEC, **kw) -> Executor:
+def executor(model_dir, speculative=SPEC, **kw) -> ModelRunner:
     kw = {"dtype": "float32", "num_blocks": 800, "spec_rows": 64, **kw}
     if not speculative:
         kw.pop("spec_rows")
-    return Executor(model_dir, speculative=speculative or None, **kw)
+    return ModelRunner(model_dir, speculative=speculative or None, **kw)
 
 
 def near_tie_or_same(hf, prompt: list[int], ours: list[int], ref: list[int]) -> int:
@@ -455,7 +455,7 @@ def test_speculative_sampling_keeps_the_distribution(bigram_model):
     temp = 0.3
     hf = AutoModelForCausalLM.from_pretrained(str(bigram_model), dtype=torch.float32)
 
-    def pairs(ex: Executor) -> dict[int, Counter]:
+    def pairs(ex: ModelRunner) -> dict[int, Counter]:
         rng = random.Random(29)
         r = Run(ex)
         seq = {}
@@ -503,6 +503,6 @@ def test_speculative_sampling_keeps_the_distribution(bigram_model):
 
     biased = executor(bigram_model, step_budget=4096, spec_rows=256, num_blocks=2000)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("gpu.executor.accepted", lambda targets, drafts: len(drafts))
+        mp.setattr("gpu.model_runner.accepted", lambda targets, drafts: len(drafts))
         bad, bad_df, _ = chi2(pairs(biased))
     assert bad > 3 * _chi2_critical(bad_df)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpu.core import ExecutorCore
-from gpu.executor import Executor
+from gpu.model_runner import ModelRunner
 from gpu.publish import step_messages
 from gpu.recovery import Flight
 from gpu.request_table import RequestTable
@@ -23,7 +23,7 @@ from gpu.spec.config import SpecConfig, parse
 from gpu.spec.ngram import NgramTokens, propose
 from gpu.spec.plan import plan_drafts
 from gpu.spec.verify import SpecStats, accepted
-from gpu.step_plan import StepBudget
+from gpu.step.plan import StepBudget
 from messages.common import SamplingParams
 from messages.kv import Grow
 from messages.tokenizer import TokenBatch
@@ -75,14 +75,14 @@ def test_config_refusals_name_the_key(text, names):
 
 def test_executor_refuses_a_bad_config_before_loading(tmp_path):
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        Executor(
+        ModelRunner(
             tmp_path / "no-model-here",
             speculative={"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 0},
         )
 
 
 def test_runtime_flag_reaches_the_executor_config():
-    from actors.cli import build_parser, config_from_args
+    from minirt.cli import build_parser, config_from_args
 
     text = '{"method": "ngram", "num_speculative_tokens": 4}'
     cfg = config_from_args(build_parser().parse_args(["up", "--speculative-config", text]))

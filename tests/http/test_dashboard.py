@@ -15,8 +15,8 @@ import trio
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from tests.support.runtime import wait_until
-from tokenizer_svc.http.dashboard import (
+from minirt.http.dashboard.export import SCRIPTS, export_html, render_html, request_window
+from minirt.http.dashboard.page import (
     COOKIE,
     MAX_STREAMS,
     STREAMS,
@@ -24,8 +24,8 @@ from tokenizer_svc.http.dashboard import (
     dashboard_routes,
     serve,
 )
-from tokenizer_svc.http.dashboard_tail import LogTail
-from tokenizer_svc.http.export import SCRIPTS, export_html, render_html, request_window
+from minirt.http.dashboard.tail import LogTail
+from tests.support.runtime import wait_until
 
 
 def _line(**e) -> str:
@@ -222,7 +222,7 @@ def test_static_export_embeds_events_safely_and_fetches_nothing(run_dir, tmp_pat
 
 
 def test_cli_writes_the_export_for_a_run_and_for_a_request(run_dir, tmp_path):
-    cli = [sys.executable, "-m", "actors.cli"]
+    cli = [sys.executable, "-m", "minirt.cli"]
     out = tmp_path / "all.html"
     done = subprocess.run(
         [*cli, "events", "--run-dir", str(run_dir), "--html", str(out)],

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import trio
 
-from actors.client import open_client
+from minirt.client import open_client
+from minirt.http.dashboard.export import export_html
 from tests.support.http_server import start_http_runtime
 from tests.support.runtime import kv_stats, wait_until
-from tokenizer_svc.http.export import export_html
 
 INSTALL = "apt-get install -y chromium chromium-driver && .venv/bin/pip install selenium"
 CAPS = {
@@ -369,8 +369,8 @@ def _replica_run(run_dir: Path) -> None:
 
 
 async def test_export_of_a_replicated_run_has_a_replica_column(tmp_path, browser):
-    from tokenizer_svc.http.dashboard_tail import LogTail
-    from tokenizer_svc.http.export import render_html
+    from minirt.http.dashboard.export import render_html
+    from minirt.http.dashboard.tail import LogTail
 
     _replica_run(tmp_path)
     # the export embeds what the live stream would send: every replica's lines, tagged by path

@@ -1,4 +1,4 @@
-"""The HTTP server's limits on what one client may hold (tokenizer_svc/http/serving.py): a
+"""The HTTP server's limits on what one client may hold (minirt/http/serving.py): a
 connection that trickles its headers or its body is dropped, an idle kept-alive connection is
 closed, and past the connection limit a new one is answered 503 and closed, while the
 connections already open are served. The real server (hypercorn with the runtime's settings and
@@ -15,10 +15,10 @@ import trio.testing
 
 from actors.runtime.config import HttpConfig
 from actors.runtime.events import get_logger
-from tokenizer_svc.http.app import Server, build_app
-from tokenizer_svc.http.model import ModelInfo
-from tokenizer_svc.http.serving import Connections, serve
-from tokenizer_svc.http.upstream import Upstream
+from minirt.http.app import Server, build_app
+from minirt.http.model import ModelInfo
+from minirt.http.serving import Connections, serve
+from minirt.http.upstream import Upstream
 
 KEEP_ALIVE_S = 5.0
 BODY_TIMEOUT_S = 30.0

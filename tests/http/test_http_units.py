@@ -10,12 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from actors.runtime.events import configure
-from tokenizer_svc.http.app import Server, build_app
-from tokenizer_svc.http.convert import plan_chat, plan_completion
-from tokenizer_svc.http.errors import ApiError, from_upstream, from_validation, param_of
-from tokenizer_svc.http.model import ModelInfo
-from tokenizer_svc.http.schemas import ChatCompletionRequest, CompletionRequest
-from tokenizer_svc.http.upstream import Upstream
+from minirt.http.app import Server, build_app
+from minirt.http.errors import ApiError, from_upstream, from_validation, param_of
+from minirt.http.model import ModelInfo
+from minirt.http.openai.convert import plan_chat, plan_completion
+from minirt.http.openai.schemas import ChatCompletionRequest, CompletionRequest
+from minirt.http.upstream import Upstream
 from tokenizer_svc.requests import Invalid, Prompts, check_request
 
 

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.client import open_client
+from minirt.client import open_client
 from tests.support.runtime import start_runtime, wait_until
 
 

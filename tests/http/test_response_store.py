@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tokenizer_svc.http.response_store import ResponseStore, owner_of
+from minirt.http.responses.store import ResponseStore, owner_of
 
 
 class Log:

@@ -16,9 +16,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from minirt.http.openai.shapes import call_id
 from tests.support.http_server import MAX_NEW, aclient, hf_chat_ids
 from tests.support.runtime import hf_greedy, poll_until
-from tokenizer_svc.http.shapes import call_id
 
 pytest_plugins = ("tests.support.http_fixture",)
 

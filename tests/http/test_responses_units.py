@@ -16,16 +16,16 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from actors.runtime.events import get_logger
+from minirt.http.app import Server, build_app
+from minirt.http.errors import ApiError
+from minirt.http.model import ModelInfo
+from minirt.http.responses.convert import turn_of
+from minirt.http.responses.schema import ResponsesRequest
+from minirt.http.responses.shape import Order, Shape, new_id, output_items
+from minirt.http.responses.store import ResponseStore
+from minirt.http.responses.stream import EventWriter
+from minirt.http.upstream import Upstream
 from tokenizer_svc.agent.parse import OutputParser
-from tokenizer_svc.http.app import Server, build_app
-from tokenizer_svc.http.errors import ApiError
-from tokenizer_svc.http.model import ModelInfo
-from tokenizer_svc.http.response_store import ResponseStore
-from tokenizer_svc.http.responses_convert import turn_of
-from tokenizer_svc.http.responses_schema import ResponsesRequest
-from tokenizer_svc.http.responses_shape import Order, Shape, new_id, output_items
-from tokenizer_svc.http.responses_stream import EventWriter
-from tokenizer_svc.http.upstream import Upstream
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 
@@ -190,7 +190,7 @@ def test_refusals_name_the_input_item(front_door, client):
     ],
 )
 def test_malformed_requests_are_refused_naming_the_field(body, param, tiny_model):
-    from tokenizer_svc.http.responses_convert import plan_turn
+    from minirt.http.responses.convert import plan_turn
 
     model = ModelInfo.load(str(tiny_model))
     with pytest.raises(ApiError) as info:

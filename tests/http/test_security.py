@@ -8,10 +8,10 @@ import pytest
 import trio
 import zmq
 
-from actors.client import open_client
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.security import InsecureBind, check_bind, make_keys
 from actors.runtime.transport import open_socket
+from minirt.client import open_client
 from tests.support.runtime import start_runtime
 
 

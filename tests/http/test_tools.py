@@ -19,7 +19,7 @@ import openai
 import pytest
 import trio
 
-from gpu.make_model import make_model
+from gpu.model.make_model import make_model
 from tests.support.http_server import aclient, start_http_runtime
 
 WEATHER = {

@@ -1,4 +1,4 @@
-"""The HTTP server's writes straight to the socket (tokenizer_svc/http/serving.py WriteThrough):
+"""The HTTP server's writes straight to the socket (minirt/http/serving.py WriteThrough):
 what a slow reader's socket cannot take goes hypercorn's way, in order, and a peer that is gone
 closes the connection, as hypercorn's own path does."""
 
@@ -11,7 +11,7 @@ import trio.testing
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
 
-from tokenizer_svc.http.serving import WriteThrough
+from minirt.http.serving import WriteThrough
 
 
 class _Protocol:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from actors.client import open_client
 from messages.scheduler import MetricsQuery, MetricsText
+from minirt.client import open_client
 from tests.support.runtime import (
     hf_greedy,
     kv_stats,

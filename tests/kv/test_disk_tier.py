@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 from actors.kv.core import KVCore
 from actors.kv.disk_tier import DiskTier
 from actors.runtime.config import KVConfig
-from gpu.disk_store import BadBlock, DiskStore, DiskTierInUse
+from gpu.disk.store import BadBlock, DiskStore, DiskTierInUse
 from messages import executor as xm
 from messages import kv as km
 from messages.scheduler import AdmitResult, BlocksFreed

@@ -15,7 +15,7 @@ import signal
 import pytest
 import trio
 
-from actors.client import open_client
+from minirt.client import open_client
 from tests.reliability.test_soak import FLAGS, TERMINAL, soak
 from tests.support.runtime import kv_stats, start_runtime, wait_until
 from tests.support.steps import Steps

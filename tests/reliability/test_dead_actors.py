@@ -13,7 +13,7 @@ import time
 import pytest
 import trio
 
-from actors.client import RequestError, open_client
+from minirt.client import RequestError, open_client
 from tests.support.runtime import kv_stats, start_runtime, wait_until
 from tests.support.steps import Stopper
 

@@ -11,8 +11,8 @@ import random
 import pytest
 import trio
 
-from actors.client import open_client
 from messages import client as cm
+from minirt.client import open_client
 from tests.support.runtime import kv_stats, start_runtime, wait_until
 from tests.support.steps import Steps, said
 

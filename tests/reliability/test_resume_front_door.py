@@ -11,9 +11,9 @@ import signal
 import pytest
 import trio
 
-from actors.client import ConnectionLost, SyncClient, open_client
 from messages import client as cm
 from messages import executor as xm
+from minirt.client import ConnectionLost, SyncClient, open_client
 from tests.reliability.test_resume import run_all as stream_all
 from tests.support.runtime import kv_stats, query, start_runtime, stopped, wait_until
 from tests.support.steps import Steps

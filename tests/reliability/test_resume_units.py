@@ -12,8 +12,8 @@ from messages import executor as xm
 from messages import tokenizer as tm
 from messages.common import SamplingParams
 from messages.scheduler import Submit
-from tests.front_door.test_streams import TEXT, events, run
 from tests.scheduler.test_scheduler_core import admit_ok, make, sent
+from tests.tokenizer_svc.test_streams import TEXT, events, run
 from tokenizer_svc.clients import ClientEndpoint
 from tokenizer_svc.resume import (
     MAX_RESUMES,

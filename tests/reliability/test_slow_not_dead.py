@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.client import RequestError, open_client
+from minirt.client import RequestError, open_client
 from tests.support.runtime import Runtime, kv_stats, start_runtime, wait_until
 
 ACTORS = ["tokenizer", "scheduler", "kv_manager", "executor"]

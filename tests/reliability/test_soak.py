@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import trio
 
-from actors.client import RequestError, open_client
 from messages import client as cm
+from minirt.client import RequestError, open_client
 from tests.support.runtime import kv_stats, start_runtime, wait_until
 
 MAX_PREEMPTIONS = 3

@@ -1,4 +1,4 @@
-"""The adaptive step budget end to end (``gpu/step_budget.py``): a burst of prompts on a real
+"""The adaptive step budget end to end (``gpu/step/budget.py``): a burst of prompts on a real
 runtime is prefilled a few prompts per step, so first tokens leave while later prompts are still
 being prefilled, with every token as under the fixed budget; the executor's events carry each
 step's cap and the model refits; the replay of the run makes the same decisions."""
@@ -10,8 +10,8 @@ import random
 import pytest
 import trio
 
-from actors.bench.workloads import Job
-from actors.replay import sim, stepmodel, workload
+from minirt.bench.workloads import Job
+from minirt.replay import sim, stepmodel, workload
 from tests.replay.test_replay import send
 from tests.support.runtime import start_runtime
 

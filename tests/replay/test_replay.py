@@ -12,13 +12,13 @@ import pytest
 import trio
 import trio.testing
 
-from actors.bench.workloads import Job
-from actors.client import RequestError, open_client
-from actors.eventlog import read_events, trace_lines
-from actors.eventlog import summary as bench_report
-from actors.replay import sim, stepmodel, workload
-from actors.replay.cli import main
 from messages.tokenizer import client_request_id
+from minirt.bench.workloads import Job
+from minirt.client import RequestError, open_client
+from minirt.eventlog import read_events, trace_lines
+from minirt.eventlog import summary as bench_report
+from minirt.replay import sim, stepmodel, workload
+from minirt.replay.cli import main
 from tests.support.runtime import start_runtime, stopped
 
 BS = 16
@@ -166,7 +166,7 @@ def test_max_batch_size_1_raises_queue_time_and_a_big_pool_refuses_nobody(record
 
 
 def test_a_bench_serve_report_replays(tiny_model, tmp_path) -> None:
-    from actors.bench.serve import main as serve
+    from minirt.bench.serve import main as serve
 
     report = tmp_path / "report"
     argv = ["--start", "--model", str(tiny_model), "--workload", "w1", "--requests", "12"]

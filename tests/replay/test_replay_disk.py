@@ -11,8 +11,8 @@ import random
 import pytest
 import trio
 
-from actors.client import open_client
-from actors.replay import sim, stepmodel, workload
+from minirt.client import open_client
+from minirt.replay import sim, stepmodel, workload
 from tests.support.runtime import start_runtime
 
 BS = 16

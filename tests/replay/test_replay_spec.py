@@ -10,8 +10,8 @@ import json
 
 import trio
 
-from actors.client import open_client
-from actors.replay import sim, stepmodel, workload
+from minirt.client import open_client
+from minirt.replay import sim, stepmodel, workload
 from tests.support.runtime import start_runtime
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}

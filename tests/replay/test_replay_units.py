@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from actors.bench.driver import Record
-from actors.kv import blockhash
-from actors.replay import runlog, sim, stepmodel, synth, workload
-from actors.replay.cli import main
-from actors.replay.loop import write_events
-from actors.replay.runlog import OLD_NAMES
+from actors.shared import blockhash
+from minirt.bench.driver import Record
+from minirt.replay import runlog, sim, stepmodel, synth, workload
+from minirt.replay.cli import main
+from minirt.replay.loop import write_events
+from minirt.replay.runlog import OLD_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -251,12 +251,12 @@ def test_a_replayed_run_says_more_when_the_next_submit_lands_with_its_grant() ->
     drains its inbox: a submit that lands together with the first request's grant is queued
     before that run leaves, so the run tells the executor that more follow (the real actor's
     x_run.more), and the replayed first step is not stepped alone."""
-    from actors.replay.cores import SimKV, SimScheduler
-    from actors.replay.loop import Loop, SimLog
     from actors.runtime.config import KVConfig, SchedulerConfig
     from messages import executor as xm
     from messages.common import SamplingParams
     from messages.scheduler import Submit
+    from minirt.replay.cores import SimKV, SimScheduler
+    from minirt.replay.loop import Loop, SimLog
 
     loop, events, runs = Loop(hop_s=0.25), [], []
     kv_cfg = KVConfig(block_size=4)

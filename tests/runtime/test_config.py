@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from actors.cli import build_parser, config_from_args
 from actors.runtime import config
 from actors.runtime.config import RuntimeConfig, options
 from actors.runtime.options import Option, doc, options_of
 from actors.scheduler.queue import POLICIES
+from minirt.cli import build_parser, config_from_args
 
 # Every flag and variable that existed before they were derived (compose.yaml, the Dockerfile,
 # scripts, docs): renaming a field must not break them.

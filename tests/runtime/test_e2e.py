@@ -9,10 +9,10 @@ import pytest
 import trio
 import zmq
 
-from actors.client import RequestError, open_client
 from actors.runtime.transport import open_socket
 from messages.codec import Decoder
 from messages.common import ErrorReply
+from minirt.client import RequestError, open_client
 from tests.support.runtime import hf_greedy, kv_stats, start_runtime, stopped, wait_until
 
 MAX_NEW = 12

@@ -15,14 +15,14 @@ LEVELS = {"debug", "info", "warning", "error", "exception", "critical"}
 # Which actor owns the events emitted by code under each path (longest prefix wins).
 OWNERS = {
     "actors/runtime/": "every actor",
-    "actors/launch/runner.py": "every actor",
-    "actors/launch/": "supervisor",
+    "minirt/launch/runner.py": "every actor",
+    "minirt/launch/": "supervisor",
     "actors/scheduler/": "scheduler",
     "actors/kv/": "kv_manager",
     "gpu/": "executor",
-    "tokenizer_svc/http/": "http",
+    "minirt/http/": "http",
     "tokenizer_svc/": "tokenizer",
-    "actors/replay/": "replay",
+    "minirt/replay/": "replay",
 }
 
 

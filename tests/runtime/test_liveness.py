@@ -13,12 +13,12 @@ import pytest
 import trio
 import trio.testing
 
-from actors.client import RequestError, ServerWatch
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.liveness import Kind, Liveness, LoopLag, State
 from messages.client import Welcome
 from messages.common import ErrorCode, ErrorReply, Hello, Ping, Pong
+from minirt.client import RequestError, ServerWatch
 
 HB = 0.5
 TIMEOUT = HB * 3  # suspect_after heartbeats

@@ -3,7 +3,7 @@ over weeks keeps being restarted, and the back-off grows with the deaths in the 
 
 from __future__ import annotations
 
-from actors.launch.supervisor import RestartBudget
+from minirt.launch.supervisor import RestartBudget
 
 
 def test_a_crash_loop_gives_up_after_the_limit():

@@ -12,9 +12,9 @@ import re
 import pytest
 import trio
 
-from actors.client import open_client
 from messages.common import StructuredOutput
 from messages.scheduler import MetricsQuery, MetricsText
+from minirt.client import open_client
 from tests.support.runtime import hf_greedy, kv_stats, query, start_runtime, wait_until
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}

@@ -27,7 +27,7 @@ def _alive(pid: int) -> bool:
 def test_generate_events_and_ctrl_c_leaves_no_process(tiny_model, tmp_path):
     run_dir = tmp_path / "rt"
     with start_runtime(tiny_model, run_dir) as rt:
-        cli = [sys.executable, "-m", "actors.cli"]
+        cli = [sys.executable, "-m", "minirt.cli"]
         out = subprocess.run(
             [
                 *cli,

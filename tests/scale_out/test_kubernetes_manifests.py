@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from actors.cli import build_parser, config_from_args
 from actors.runtime.config import ACTORS, load
+from minirt.cli import build_parser, config_from_args
 
 K8S = "1.33"  # the Kubernetes version validated against (kubernetes-validate bundles its schemas)
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -242,7 +242,7 @@ def test_split_endpoints_name_the_pods_and_ports_the_actors_listen_on(tmp_path, 
 
 
 def test_split_http_api_is_served_from_the_leader(tmp_path, monkeypatch):
-    from tokenizer_svc.http.actor import check_bind
+    from minirt.http.actor import check_bind
 
     lws, _, docs = _lws_parts()
     _, c, cfg = _actors(tmp_path, monkeypatch)["http"]

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.eventlog import read_events
-from actors.launch.router import (
+from benchmarks.http_load import TextJob, hit_rate, reference_texts, run_jobs, text_w2
+from benchmarks.scale_out import free_port, free_ports, replica_dirs, served_by
+from minirt.eventlog import read_events
+from minirt.launch.router import (
     RouterMissing,
     RouterSpec,
     find_router,
@@ -26,8 +28,6 @@ from actors.launch.router import (
     router_workers,
     running_router,
 )
-from benchmarks.http_load import TextJob, hit_rate, reference_texts, run_jobs, text_w2
-from benchmarks.scale_out import free_port, free_ports, replica_dirs, served_by
 from tests.support.runtime import poll_until, start_runtime
 
 try:

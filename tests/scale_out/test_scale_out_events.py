@@ -8,8 +8,8 @@ import io
 import json
 from pathlib import Path
 
-from actors.eventlog import read_events, show_events, trace_lines
 from actors.runtime import events
+from minirt.eventlog import read_events, show_events, trace_lines
 
 
 def _write(path: Path, *lines: dict) -> None:

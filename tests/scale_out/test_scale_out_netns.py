@@ -22,18 +22,18 @@ import pytest
 import trio
 import zmq.auth
 
-from actors.eventlog import is_request, read_events
-from actors.launch.launch import read_ready
-from actors.launch.router import (
+from actors.runtime.security import make_keys
+from benchmarks.http_load import reference_texts, run_jobs, text_w2
+from benchmarks.scale_out import free_port, served_by
+from minirt.eventlog import is_request, read_events
+from minirt.launch.launch import read_ready
+from minirt.launch.router import (
     RouterMissing,
     RouterSpec,
     find_router,
     router_workers,
     running_router,
 )
-from actors.runtime.security import make_keys
-from benchmarks.http_load import reference_texts, run_jobs, text_w2
-from benchmarks.scale_out import free_port, served_by
 from tests.support.netns import Hosts, two_hosts, unavailable
 from tests.support.runtime import poll_until
 
@@ -48,7 +48,7 @@ if _why:
     pytest.skip(_why, allow_module_level=True)
 
 PORT, ZMQ_PORT, MAX_TOKENS = 8001, 5550, 6
-CLI = [sys.executable, "-m", "actors.cli"]
+CLI = [sys.executable, "-m", "minirt.cli"]
 
 
 @contextmanager

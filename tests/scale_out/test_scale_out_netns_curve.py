@@ -22,7 +22,7 @@ if _why:
         raise RuntimeError(f"the network-namespace test cannot run in CI: {_why}")
     pytest.skip(_why, allow_module_level=True)
 
-CLI = [sys.executable, "-m", "actors.cli"]
+CLI = [sys.executable, "-m", "minirt.cli"]
 
 
 def in_ns(ns: str, code: str) -> str:
@@ -94,7 +94,7 @@ def _split_run(h, tiny_model, tmp_path) -> None:
         assert json.loads(out.stdout)["token_ids"] == hf_greedy(tiny_model, [prompt], 6)[0]
         ping = f"""
 import trio
-from actors.launch.health import ping
+from actors.runtime.ping import ping
 from actors.runtime.security import CurveKeys
 keyed = trio.run(ping, "{eps["executor"]}", 3.0, 1, CurveKeys.load("{keys}"))
 bare = trio.run(ping, "{eps["executor"]}", 3.0, 2, None)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.launch.replicas import passthrough_flags, plan, split_cpus
-from actors.launch.router import RouterMissing, RouterSpec, find_router
+from minirt.launch.replicas import passthrough_flags, plan, split_cpus
+from minirt.launch.router import RouterMissing, RouterSpec, find_router
 
 
 def test_cpus_split_into_disjoint_slices_or_shared_one_each():
@@ -27,7 +27,7 @@ def test_plan_gives_each_replica_its_run_dir_port_threads_and_name(tmp_path):
     assert c.router.workers == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     assert (c.router.host, c.router.port, c.router.api_key) == ("127.0.0.1", 8000, "k")
     argv = c.replicas[1].argv(["--model", "/m"], "py")
-    assert argv[:6] == ["py", "-m", "actors.cli", "up", "--model", "/m"]
+    assert argv[:6] == ["py", "-m", "minirt.cli", "up", "--model", "/m"]
     joined = " ".join(argv)
     assert f"--run-dir {tmp_path / 'replica-1'}" in joined
     assert "--http-host 127.0.0.1 --http-port 8002" in joined
@@ -79,7 +79,7 @@ def test_router_spec_names_the_bad_field(kw, match):
 def test_missing_router_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIRT_ROUTER_VENV", str(tmp_path / "nowhere"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("actors.launch.router._REPO", tmp_path)
+    monkeypatch.setattr("minirt.launch.router._REPO", tmp_path)
     with pytest.raises(RouterMissing, match="scripts/install-router"):
         find_router()
     site = tmp_path / "nowhere" / "lib" / "python3.11" / "site-packages" / "sglang_router"
@@ -110,7 +110,7 @@ def test_every_replica_inherits_the_flags_given_except_per_instance_ones():
 
 
 def test_minirt_up_flags_pass_through_to_each_replica():
-    from actors.cli import _config_args
+    from minirt.cli import _config_args
 
     p = argparse.ArgumentParser()
     _config_args(p)
@@ -195,7 +195,7 @@ def test_health_poll_reads_a_non_http_answer_as_nothing_answering():
     import socket
     import threading
 
-    from actors.launch.router import http_get
+    from minirt.launch.router import http_get
 
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
@@ -240,7 +240,7 @@ def test_ray_placement_refuses_to_start_without_address_key_or_ray_token(
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | env
-    cmd = [sys.executable, "-m", "actors.cli", "up", "--replicas", "2", "--placement", "ray"]
+    cmd = [sys.executable, "-m", "minirt.cli", "up", "--replicas", "2", "--placement", "ray"]
     cmd += ["--model", str(tmp_path), "--run-dir", str(tmp_path / "run"), *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and says in out.stderr, (out.returncode, out.stderr)
@@ -248,7 +248,7 @@ def test_ray_placement_refuses_to_start_without_address_key_or_ray_token(
 
 
 def test_ray_plan_gives_each_replica_its_command_without_an_address(tmp_path):
-    from actors.launch.ray_cluster import ray_plan
+    from minirt.launch.ray_cluster import ray_plan
 
     c = plan(2, tmp_path / "c", http_port=8000, api_key="k", flags=["--model", "/m"])
     p = ray_plan(c, "10.0.0.1:6379", "/venv/bin/python", 60.0)
@@ -258,7 +258,7 @@ def test_ray_plan_gives_each_replica_its_command_without_an_address(tmp_path):
         ("replica-1", 8002),
     ]
     argv = p["replicas"][1]["argv"]
-    assert argv[:6] == ["/venv/bin/python", "-m", "actors.cli", "up", "--model", "/m"]
+    assert argv[:6] == ["/venv/bin/python", "-m", "minirt.cli", "up", "--model", "/m"]
     assert "--allow-remote" in argv and "--http-host" not in argv  # its actor adds its node's
     assert argv[-4:] == ["--replica", "replica-1", "--run-dir", str(tmp_path / "c" / "replica-1")]
     assert p["replicas"][1]["env"] == {"MINIRT_REPLICA": "replica-1"}

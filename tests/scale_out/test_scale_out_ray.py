@@ -29,12 +29,12 @@ import httpx
 import pytest
 import trio
 
-from actors.eventlog import read_events
-from actors.launch.launch import read_ready
-from actors.launch.ray_cluster import RayMissing, find_ray
-from actors.launch.router import RouterMissing, RouterSpec, find_router, router_workers
 from benchmarks.http_load import TextJob, hit_rate, reference_texts, run_jobs, text_w2
 from benchmarks.scale_out import served_by
+from minirt.eventlog import read_events
+from minirt.launch.launch import read_ready
+from minirt.launch.ray_cluster import RayMissing, find_ray
+from minirt.launch.router import RouterMissing, RouterSpec, find_router, router_workers
 from tests.support.lan import Host, Lan, lan
 from tests.support.netns import unavailable
 from tests.support.runtime import poll_until
@@ -92,7 +92,7 @@ def replica_hosts(net: Lan) -> dict[str, str]:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"actors.cli" in argv and b"--replica" in argv and b"--replicas" not in argv:
+            if b"minirt.cli" in argv and b"--replica" in argv and b"--replicas" not in argv:
                 netns = subprocess.run(
                     ["ip", "netns", "identify", str(pid)], capture_output=True, text=True
                 ).stdout.strip()
@@ -146,7 +146,7 @@ def test_replicas_placed_by_ray_survive_a_lost_host(tiny_model, tmp_path):
                 assert ok.returncode == 0, ok.stderr[-2000:]
             poll_until(lambda: active_nodes(head, token, short) == 4, 60, "4 Ray nodes", 1.0)
 
-            cmd = [sys.executable, "-m", "actors.cli", "up", "--model", str(tiny_model)]
+            cmd = [sys.executable, "-m", "minirt.cli", "up", "--model", str(tiny_model)]
             cmd += ["--replicas", "2", "--placement", "ray", "--ray-address", gcs]
             cmd += ["--run-dir", str(run), "--threads", "1", "--api-key", key]
             cmd += ["--http-host", head.addr, "--http-port", str(HTTP_PORT), "--allow-remote"]
@@ -225,7 +225,7 @@ def test_replicas_placed_by_ray_survive_a_lost_host(tiny_model, tmp_path):
             host = next(h for h in hosts if h.name == lost)
             try:
                 poll_until(
-                    lambda: not [p for p in host.pids() if b"actors.cli" in _cmdline(p)],
+                    lambda: not [p for p in host.pids() if b"minirt.cli" in _cmdline(p)],
                     30,
                     "the replica on the stopped host to exit",
                     0.2,

@@ -15,8 +15,8 @@ import h2.events
 import httpx
 import pytest
 
-from actors.launch.router import RouterMissing, RouterSpec, find_router, running_router
 from benchmarks.scale_out import free_port
+from minirt.launch.router import RouterMissing, RouterSpec, find_router, running_router
 from tests.support.runtime import start_runtime
 
 KEY = "router-test-key"

@@ -1,4 +1,4 @@
-"""The adaptive step budget (``gpu/step_budget.py``): each step's prefill sized to a step-time
+"""The adaptive step budget (``gpu/step/budget.py``): each step's prefill sized to a step-time
 target from a model fitted on the executor's own steps."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gpu.step_budget import (
+from gpu.step.budget import (
     AUTO_TOKENS,
     MIN_PREFILL,
     REFIT_EVERY,
@@ -15,7 +15,7 @@ from gpu.step_budget import (
     Costs,
     seed_costs,
 )
-from gpu.step_plan import StepBudget, plan_step
+from gpu.step.plan import StepBudget, plan_step
 from tests.scheduler.test_step_plan import names, st
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu.requests import RequestState
-from gpu.step_plan import StepBudget, burst_end, fills_a_step, plan_step
+from gpu.step.plan import StepBudget, burst_end, fills_a_step, plan_step
 from messages.common import SamplingParams
 
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from gpu.executor import Executor, ExecutorInputError
+from gpu.model_runner import ExecutorInputError, ModelRunner
 from messages.common import SamplingParams, StructuredOutput
 
 SCHEMAS: list[dict] = [
@@ -103,7 +103,9 @@ def _prompt(i: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(rng.randint(2, 30))]
 
 
-def run(ex: Executor, reqs: dict[str, tuple[list[int], SamplingParams]], steps: list | None = None):
+def run(
+    ex: ModelRunner, reqs: dict[str, tuple[list[int], SamplingParams]], steps: list | None = None
+):
     """Run ``reqs`` together; ``{rid: (tokens, finish, logprobs, tops)}``."""
     nxt = 0
     outs: dict[str, tuple[list[int], list, list, list]] = {}
@@ -131,7 +133,7 @@ def run(ex: Executor, reqs: dict[str, tuple[list[int], SamplingParams]], steps: 
 
 @pytest.fixture(scope="module")
 def ex(tiny_model):
-    return Executor(tiny_model, num_blocks=4096, threads=2)
+    return ModelRunner(tiny_model, num_blocks=4096, threads=2)
 
 
 @pytest.fixture(scope="module")

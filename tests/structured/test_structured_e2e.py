@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 import trio
 
-from actors.client import RequestError, open_client
 from messages.common import StructuredOutput
+from minirt.client import RequestError, open_client
 from tests.structured.test_structured import SCHEMAS, _prompt
 from tests.support.runtime import kv_stats, start_runtime, wait_until
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gpu.structured.grammar import GrammarCache, GrammarError, constraint_of, hf_llg_tokenizer
+from actors.shared.grammar import GrammarCache, GrammarError, constraint_of, hf_llg_tokenizer
 from gpu.structured.masks import GrammarState, Masker
 from messages.common import SamplingParams, StructuredOutput, validate_params
 

@@ -13,10 +13,10 @@ from typing import Any
 import trio
 import zmq
 
-from actors.launch.launch import Runtime, start_runtime  # noqa: F401  (re-exported for tests)
 from actors.runtime.transport import open_socket
 from messages import kv as km
 from messages.codec import Decoder, encode
+from minirt.launch.launch import Runtime, start_runtime  # noqa: F401  (re-exported for tests)
 
 
 async def query(endpoint: str, msg: Any, reply_type: Any, timeout: float = 5.0) -> Any:

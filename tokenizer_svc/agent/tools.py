@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.structured.grammar import json_options
+from actors.shared.grammar import json_options
 from messages.tokenizer import ChatMessage, Generate, Tool
 
 RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "documents"})

@@ -1,0 +1,399 @@
+"""The executor: owns the model and the paged KV cache, runs one mixed prefill/decode step at a time.
+
+It never allocates KV blocks: callers hand it block tables (plain ints) with each request and
+grow them with :meth:`ModelRunner.extend`. Each :meth:`ModelRunner.step` schedules decodes first (one
+token each, FCFS), then prefill chunks FCFS within the token budget, runs one forward over the
+flat batch, samples, and drops finished requests (the caller frees their blocks). With
+speculative decoding on (``gpu/spec/``), a decode may also verify drafts in the same forward and
+emit several tokens in one step.
+
+Over 300 lines: ``step`` is one algorithm over one flat batch (plan, inputs, forward, masks,
+sampling, ends) whose parts share its rows; the request table, plans, sampling, masks and
+attention are their own files.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from actors.shared.grammar import Compiled
+from gpu.logits_processors import LogitsProcessors
+from gpu.model import cpu_tuning, loader
+from gpu.model.attention import build_metadata
+from gpu.model.kv_cache import PagedKVCache, loaded_pool
+from gpu.model.llama import LlamaFamilyModel
+from gpu.model.memory import DEFAULT_GPU_MEMORY_UTILIZATION
+from gpu.request_table import RequestTable
+from gpu.requests import (
+    ExecutorInputError,
+    RequestState,
+    StepResult,
+    TokenOutput,
+    check_invariants,
+)
+from gpu.sampling import row_logprobs, sample_rows
+from gpu.spec import config as spec_config
+from gpu.spec import cost as spec_cost
+from gpu.spec.ngram import NgramTokens
+from gpu.spec.plan import SpecPlan, plan_drafts
+from gpu.spec.verify import SpecStats, accepted
+from gpu.step import batch as step_batch
+from gpu.step.budget import SEED_ROWS, AdaptiveBudget, measure_seed
+from gpu.step.plan import StepBudget
+from gpu.structured.engine import StructuredEngine
+from messages.common import SamplingParams
+from messages.executor import Run
+
+__all__ = ["ExecutorInputError", "ModelRunner", "StepResult", "TokenOutput"]
+
+
+class ModelRunner:
+    """Model + KV cache + in-flight requests. Not thread-safe; one caller drives it.
+
+    Attributes: ``num_blocks``, ``block_size``, ``kv_bytes``, ``max_model_len``, ``vocab_size``,
+    ``eos_token_ids``, ``device``, ``dtype``. ``kv_memory`` is bytes (int) or a fraction of free
+    device memory (float in (0, 1]); ``num_blocks`` wins over it; with neither, the default of
+    ``gpu.model.kv_cache.pool_blocks`` (a fraction of the memory left after the weights, at most what
+    ``max_batch_size`` requests of the model's context can use). ``max_model_len`` (default: the
+    model's context, capped by the pool's tokens) bounds prompt plus output. ``threads`` sets
+    torch's intra-op thread count (process-wide). ``speculative``: ``--speculative-config``
+    (``gpu/spec/config.py``; its text, dict or parsed form; empty or None: off); with it,
+    draft rows are priced on forward times measured at start (``gpu/spec/cost.py``), or
+    ``spec_rows``: any step of up to that many rows drafts, none of more.
+    Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        num_blocks: int | None = None,
+        kv_memory: int | float | None = None,
+        block_size: int = 16,
+        chunk_cap: int = 1024,
+        step_budget: int = 8192,
+        max_batch_size: int = 256,
+        long_prefill_threshold: int = 0,
+        max_long_prefills: int = 1,
+        decode_first: bool = True,
+        threads: int | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        speculative: str | dict | spec_config.SpecConfig | None = None,
+        spec_rows: int | None = None,
+        budget_policy: str = "fixed",
+        step_target_ms: float = 0.0,
+        bind_threads: bool = False,
+    ) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.speculative = spec_config.parse(speculative)  # refused (ValueError) before loading
+        self.budget = StepBudget(
+            step_budget,
+            chunk_cap,
+            max_batch_size,
+            long_prefill_threshold,
+            max_long_prefills,
+            decode_first,
+            budget_policy,
+            step_target_ms,
+        )
+        self.budget.check()
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.device = loader.resolve_device(device)
+        loader.tune_process(self.device)
+        # --bind-threads: each OpenMP thread pinned to one CPU (this thread, which runs the
+        # steps, to the first); the CPUs before, for threads that should not be pinned
+        self.cpus_before_bind: list[int] | None = None
+        self.bound_cpus: list[int] | None = None
+        if bind_threads and self.device.type == "cpu":
+            self.cpus_before_bind, self.bound_cpus = cpu_tuning.bind_threads()
+        self.dtype = loader.resolve_dtype(dtype, self.device)
+        spec = loader.load_spec(model_dir)
+        self.spec = spec
+        self.model_dir = Path(model_dir)
+        # the KV cache and the weights as loaded are in the attention block's dtype (float32
+        # for bfloat16 on CPU: see gpu.model.loader.attention_dtype)
+        self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
+        # read on the host and handed over whole: the model fuses each layer's tensors there and
+        # moves the fused ones to the device once (no second copy on the card)
+        self.model = LlamaFamilyModel(
+            spec,
+            loader.load_weights(
+                model_dir, self.kv_dtype, loader.HOST, tied=spec.tie_word_embeddings
+            ),
+            self.device,
+            self.dtype,
+        )
+        self.model.warm_up()
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
+        self.block_size = block_size
+        num_blocks, per_block = loaded_pool(
+            spec,
+            self.kv_dtype,
+            self.device,
+            block_size,
+            num_blocks,
+            kv_memory,
+            utilization=gpu_memory_utilization,
+            step_tokens=step_budget,
+            batch_rows=max_batch_size,
+        )
+        self.num_blocks = num_blocks
+        self.max_model_len = min(
+            max_model_len or spec.max_model_len, spec.max_model_len, num_blocks * block_size
+        )
+        self.kv_bytes = num_blocks * per_block
+        self.cache = PagedKVCache(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            num_blocks,
+            block_size,
+            self.kv_dtype,
+            self.device,
+        )
+        self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
+        # the adaptive step budget (gpu/step/budget.py): seeded by two forwards timed now
+        self.adaptive: AdaptiveBudget | None = None
+        if budget_policy == "adaptive":
+            run = spec_cost.model_forward(
+                self.model, spec, self.kv_dtype, self.device, block_size, SEED_ROWS, False
+            )
+            seed = measure_seed(run)
+            self.adaptive = AdaptiveBudget(seed, step_budget, step_target_ms / 1000.0)
+        # what a step's rows cost, which prices draft rows (gpu/spec/cost.py): timed now
+        self.spec_cost = spec_cost.StepCost.flat(spec_rows or 1)
+        if self.speculative is not None and not spec_rows:
+            run = spec_cost.model_forward(self.model, spec, self.kv_dtype, self.device, block_size)
+            self.spec_cost = spec_cost.StepCost(spec_cost.measure(run))
+        # Structured output: compiled constraints (bounded cache) and the step's token masks.
+        self.structured = StructuredEngine(
+            model_dir, self.vocab_size, list(self.eos_token_ids), self.device
+        )
+
+    # ---- request management -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        block_table: list[int],
+        num_cached_tokens: int = 0,
+        prior_output_tokens: int = 0,
+        grammar: Compiled | None = None,
+    ) -> None:
+        """Queue a request whose prompt K/V goes to ``block_table``; the first ``num_cached_tokens``
+        (a multiple of block_size, < len(prompt)) are already in those blocks and are not recomputed.
+
+        ``prior_output_tokens``: to resume a preempted request, pass the original prompt plus the
+        outputs it had produced as ``prompt_ids``, their count here, and the original params:
+        sampling indices, ``max_tokens`` and ``num_output_tokens`` continue from there, so a seeded
+        request yields the same tokens as if never preempted.
+
+        ``grammar``: ``params.structured``'s matcher, built beforehand from the front door's
+        grammar (the actor: ``self.structured.cache.build`` in a worker thread); a caller that
+        drives the executor directly (tests, benchmarks) may leave it out, and the constraint is
+        compiled here (cached). Its matcher replays the prior outputs.
+
+        The request is trusted (the front door validated it): only the invariants that keep
+        the KV pool whole are checked (``check_invariants``). Raises ExecutorInputError naming
+        the request and field; on error nothing changes.
+        """
+
+        if request_id in self.requests:
+            raise ExecutorInputError(request_id, "request_id", "already in flight")
+        prompt, table = list(prompt_ids), list(block_table)
+        check_invariants(
+            request_id,
+            prompt,
+            params,
+            table,
+            num_cached_tokens,
+            prior_output_tokens,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+        state = self.structured.state(request_id, params, prompt, prior_output_tokens, grammar)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        req = RequestState(
+            request_id,
+            prompt,
+            params,
+            table,
+            num_cached_tokens,
+            seed,
+            frozenset(stop),
+            prior_output_tokens,
+            # min_tokens of a constrained request acts on its grammar mask instead
+            procs=LogitsProcessors.build(
+                params,
+                prompt,
+                prior_output_tokens,
+                set() if state else stop,
+                self.vocab_size,
+                self.device,
+            ),
+            grammar=state,
+        )
+        if self.speculative is not None:  # its proposer (gpu/spec/plan.py)
+            req.ngram = NgramTokens(prompt)
+        self.requests.add(req)
+
+    def start(self, run: Run, grammar: Compiled | None) -> None:
+        """``add_request`` for an ``x_run`` (the executor core's way in)."""
+        self.add_request(
+            run.request_id,
+            run.prompt_ids,
+            run.params,
+            run.block_table,
+            run.cached_tokens,
+            prior_output_tokens=run.output_offset,
+            grammar=grammar,
+        )
+
+    def extend(self, request_id: str, new_blocks: list[int]) -> None:
+        """Append ``new_blocks`` to the request's block table. Raises ExecutorInputError."""
+        self.requests.extend(request_id, new_blocks)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget the request (abort or preemption); True if it was in flight."""
+        return self.requests.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.requests.has_work()
+
+    def num_requests(self) -> int:
+        return self.requests.num_requests()
+
+    def fills_a_step(self) -> bool:
+        return self.requests.fills_a_step()
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def step(self, on_planned: Callable[[list[str]], None] | None = None) -> StepResult:
+        """Run one forward over the scheduled decodes and prefill chunks; see the module doc.
+
+        ``on_planned``, if given, is called once the step is planned, before the forward, with
+        the requests whose prompt this step completes: their prompt KV is in the cache once
+        the step returns (whatever else happens in it; a forward that raises raises here)."""
+        t0 = time.perf_counter()
+        cap = None
+        if self.adaptive is not None and self.requests.prefilling:
+            cap = self.adaptive.cap(*self.requests.decode_load())
+        plan = self.requests.plan(cap)
+        decodes, chunks, skipped = plan.decodes, plan.chunks, plan.skipped
+        if not decodes and not chunks:
+            return StepResult([], 0, 0, 0, skipped, 0.0, time.perf_counter() - t0)
+        if on_planned is not None and (finals := plan.completing()):
+            on_planned([r.rid for r in finals])
+
+        shape = plan.shape()  # for step-time models
+        sp = self._spec_plan(decodes, len(decodes) + shape.prefill_tokens)
+        drafts = sp.drafts if sp is not None else {}
+        batch = step_batch.build(decodes, chunks, drafts)
+        samplers = batch.samplers
+        meta = build_metadata(
+            [(r.table, r.computed) for r in batch.plain],
+            batch.spans,
+            self.cache,
+            self.kv_dtype,
+            self.device,
+        )
+        dev = self.device
+        t1 = time.perf_counter()
+        # the grammar masks (a draft row's past the drafts before it), while the forward runs
+        masking = self.structured.start(samplers, batch.offsets, drafts)
+        logits = self.model.forward(
+            torch.tensor(batch.ids, dtype=torch.long, device=dev),
+            torch.tensor(batch.pos, dtype=torch.long, device=dev),
+            meta,
+            self.cache,
+            torch.tensor(batch.logit_rows, dtype=torch.long, device=dev),
+        )
+        masked, mask_s = logits, 0.0
+        if masking is not None:
+            tm = time.perf_counter()
+            masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
+            mask_s = time.perf_counter() - tm
+        tokens_t = sample_rows(masked, samplers, batch.offsets if drafts else None, drafts)
+        tokens = tokens_t.tolist()
+        forward_s = time.perf_counter() - t1
+        if sp is not None and not chunks:  # what a served step's rows cost (gpu/spec/cost.py)
+            self.spec_cost.observe(len(batch.ids), forward_s)
+        lps, tops = row_logprobs(logits, tokens_t, [r.params for r in samplers])  # before the mask
+
+        outputs: list[TokenOutput] = []
+        failed: list[tuple[str, str, str]] = []
+        for req, c in chunks:
+            req.computed += c
+            if req.computed < len(req.prompt):
+                n_prompt = len(req.prompt) - req.prior
+                outputs.append(
+                    TokenOutput(req.rid, None, None, None, None, False, n_prompt, req.prior)
+                )
+        stats = SpecStats(off=sp.off) if sp is not None else None
+        for req, i, d in batch.runs:
+            n = 1
+            if d:
+                n += accepted(tokens[i : i + len(d)], d)
+                assert stats is not None and req.ngram is not None
+                req.ngram.settle(len(d), n - 1)
+                stats.add(req.rid, len(d), n - 1)
+            if req.out:  # a decode: its input and accepted drafts are in the cache now
+                req.computed += n
+            for j in range(i, i + n):
+                mask_s += step_batch.emit(self, req, tokens[j], lps[j], tops[j], outputs, failed)
+                if req.rid not in self.requests:
+                    break  # it ended
+        step_s = time.perf_counter() - t0
+        refit = None
+        if self.adaptive is not None:
+            rows = len(decodes) + (sum(len(d) for d in drafts.values()) if drafts else 0)
+            if self.adaptive.observe(shape.prefill_tokens, rows, shape.decode_ctx, step_s):
+                refit = self.adaptive.costs
+        return StepResult(
+            outputs,
+            shape.prefill_tokens,
+            len(decodes),
+            len(decodes) + len(chunks),
+            skipped,
+            forward_s,
+            step_s,
+            mask_s,
+            sum(r.grammar is not None for r in samplers),
+            failed,
+            decode_ctx=shape.decode_ctx,
+            prefill_ctx=shape.prefill_ctx,
+            spec=stats,
+            prefill_cap=cap,
+            refit=refit,
+        )
+
+    def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:
+        """The step's drafts (``gpu/spec/plan.py``); None when speculation is off."""
+        if self.speculative is None:
+            return None
+        return plan_drafts(
+            decodes,
+            rows,
+            self.speculative,
+            self.budget.step_budget,
+            self.spec_cost,
+            self.block_size,
+            self.max_model_len,
+        )

@@ -1,0 +1,297 @@
+"""The Starlette app: routes of the OpenAI-compatible API and the service endpoints.
+
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and ``GET`` /
+``DELETE /v1/responses/{id}``: ``responses``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``. Bodies are validated
+by the pydantic models of ``schemas``; every refusal is an ``ApiError`` in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from actors.runtime.liveness import host_id, process_alive
+from actors.runtime.ping import ping
+from messages.common import Pong
+from minirt.http.errors import ApiError, from_validation, invalid
+from minirt.http.gate import Gate
+from minirt.http.metrics import HttpMetrics
+from minirt.http.model import ModelInfo
+from minirt.http.openai.convert import chat_messages, plan_chat, plan_completion
+from minirt.http.openai.respond import JSON, PlanResponse, error_response
+from minirt.http.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from minirt.http.responses.routes import responses_routes
+from minirt.http.responses.store import ResponseStore
+from minirt.http.upstream import Upstream
+
+MAX_BODY = 32 * 1024 * 1024
+HEALTH_TIMEOUT_S = 2.0  # an actor busy under load may take a moment to answer
+ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")
+B = TypeVar("B", bound=BaseModel)
+
+
+@dataclass
+class Server:
+    """What the handlers share: the model, the front-door connection, the actors' endpoints."""
+
+    model: ModelInfo
+    upstream: Upstream
+    endpoints: dict[str, str]
+    log: Any
+    curve: Any = None
+    api_key: str = ""
+    runtime_metrics: Callable[[], Awaitable[bytes]] | None = None
+    metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    active: set[str] = field(default_factory=set)
+    run_dir: str = ""  # the event log the dashboard shows (none: no dashboard)
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
+    responses_max_count: int = 1000  # stored /v1/responses (under run_dir/responses) kept
+    responses_max_bytes: int = 64 * 1024 * 1024
+
+
+async def _body(request: Request, model: type[B], timeout_s: float) -> B:
+    """The request's JSON body as ``model``; 413 as soon as it is known to be over ``MAX_BODY``
+    (its ``Content-Length``, else the bytes read so far): never buffered whole; 408 when it
+    has not all arrived within ``timeout_s`` (a client trickling bytes holds nothing long)."""
+    too_big = ApiError(413, f"request body over {MAX_BODY} bytes")
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        raise invalid("content-length", "the Content-Length header is not a number") from None
+    if declared > MAX_BODY:
+        raise too_big
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(timeout_s) as late:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise too_big
+            chunks.append(chunk)
+    if late.cancelled_caught:
+        raise ApiError(408, f"request body not received within {timeout_s:g} s", code="timeout")
+    raw = b"".join(chunks)
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def _unique_id(server: Server, rid: str) -> str:
+    """The front-door id: the request id, unless another request in flight here uses it."""
+    return rid if rid not in server.active else f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
+def _in_flight(server: Server, base: str, response: Any) -> Any:
+    """``response`` (an ASGI app) with ``base`` in the server's front-door ids in flight while
+    it runs (``_unique_id``)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        server.active.add(base)
+        try:
+            await response(scope, receive, send)
+        finally:
+            server.active.discard(base)
+
+    return app
+
+
+def build_app(server: Server) -> Gate:
+    async def run_plan(request: Request, kind: str) -> Any:
+        rid = request.state.request_id
+        base = _unique_id(server, rid)
+        if kind == "chat":
+            chat = await _body(request, ChatCompletionRequest, server.body_timeout_s)
+            plan = plan_chat(chat, server.model, base)
+        else:
+            comp = await _body(request, CompletionRequest, server.body_timeout_s)
+            plan = plan_completion(comp, server.model, base)
+        info = request.state.info
+        info.update(kind=kind, stream=plan.stream, n=len(plan.choices))
+        return _in_flight(
+            server, base, PlanResponse(plan, server.model, server.upstream, rid, info)
+        )
+
+    async def completions(request: Request) -> Any:
+        return await run_plan(request, "completion")
+
+    async def chat_completions(request: Request) -> Any:
+        return await run_plan(request, "chat")
+
+    async def models(request: Request) -> JSON:
+        m = server.model
+        card = {
+            "id": m.served_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "minirt",
+            "root": m.path,
+            "parent": None,
+            "max_model_len": m.max_model_len,
+        }
+        return JSON({"object": "list", "data": [card]})
+
+    last_pong: dict[str, Pong] = {}  # each actor's latest answer: its pid and host
+
+    def silent(name: str) -> str:
+        """An actor that did not answer: ``suspect`` while its process lives on this host
+        (stopped, starved, busy: requests wait for it), else ``down``."""
+        was = last_pong.get(name)
+        here = was is not None and was.host == host_id() and process_alive(was.pid)
+        return "suspect" if here else "down"
+
+    async def health(request: Request) -> JSON:
+        status: dict[str, dict[str, Any]] = {}
+
+        async def probe(name: str) -> None:
+            pong = await ping(server.endpoints[name], timeout=HEALTH_TIMEOUT_S, curve=server.curve)
+            if pong is not None:
+                last_pong[name] = pong
+            state = "ok" if pong is not None else silent(name)
+            ready = bool(pong and pong.ready)
+            status[name] = {"alive": state != "down", "ready": ready, "state": state}
+
+        async with trio.open_nursery() as nursery:
+            for name in ACTORS:
+                nursery.start_soon(probe, name)
+        missing = [
+            n if status[n]["state"] == "down" else f"{n} (suspect: not answering, process alive)"
+            for n in ACTORS
+            if status[n]["state"] != "ok"
+        ]
+        if status["scheduler"]["state"] == "ok" and not status["scheduler"]["ready"]:
+            missing.append("scheduler (not admitting)")
+        if not server.upstream.alive and status["tokenizer"]["state"] == "ok":
+            missing.append("tokenizer (no client connection)")
+        body: dict[str, Any] = {"status": "ok" if not missing else "unavailable", "actors": status}
+        if missing:
+            body["missing"] = missing
+        return JSON(body, status_code=200 if not missing else 503)
+
+    async def metrics(request: Request) -> Response:
+        text = b""
+        if server.runtime_metrics is not None:
+            with trio.move_on_after(HEALTH_TIMEOUT_S):
+                text = await server.runtime_metrics()
+        return Response(
+            text + server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def version_(request: Request) -> JSON:
+        try:
+            v = version("minirt")
+        except PackageNotFoundError:
+            v = "unknown"
+        return JSON({"version": v})
+
+    async def server_info(request: Request) -> JSON:
+        # sglang-router asks for this when it registers a worker (docs/scale-out.md) and lists
+        # the model under this name. No model_path: the router would try to load a tokenizer
+        # from it (from Hugging Face when the path is not on the router's host).
+        m = server.model
+        return JSON({"served_model_name": m.served_name, "max_model_len": m.max_model_len})
+
+    async def tokenize(request: Request) -> JSON:
+        req = await _body(request, TokenizeRequest, server.body_timeout_s)
+        m = server.model
+        m.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise invalid("prompt", "exactly one of prompt and messages must be given")
+        if req.messages is not None:
+            text = m.tokenizer.apply_chat_template(
+                [{"role": x.role, "content": x.content} for x in chat_messages(req.messages)],
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=False,
+            )
+            ids = list(m.tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(
+                m.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            )
+        return JSON({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
+
+    async def detokenize(request: Request) -> JSON:
+        req = await _body(request, DetokenizeRequest, server.body_timeout_s)
+        m = server.model
+        m.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < m.vocab_size]
+        if bad:
+            raise invalid(
+                "tokens", f"tokens: id {bad[0]} outside the vocabulary [0, {m.vocab_size})"
+            )
+        return JSON({"prompt": str(m.tokenizer.decode(req.tokens))})
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        request.state.info["error"] = exc.code or exc.type
+        return error_response(exc)
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error_response(
+                ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
+            )
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+    routes: list[BaseRoute] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version_, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    store = None
+    if server.run_dir:
+        store = ResponseStore(
+            Path(server.run_dir) / "responses",
+            server.responses_max_count,
+            server.responses_max_bytes,
+            server.log,
+        )
+    routes += responses_routes(server, store, _body, _unique_id, _in_flight)
+    own_auth: tuple[str, ...] = ()
+    if server.run_dir:
+        try:
+            from minirt.http.dashboard.page import dashboard_routes
+        except ImportError:  # the dashboard is optional
+            pass
+        else:  # its page and event stream check the key themselves (cookie, ?key=, header)
+            routes += dashboard_routes(server.run_dir, server.api_key or None)
+            own_auth = ("/dashboard",)
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            ApiError: on_api_error,
+            HTTPException: on_http_exception,
+            Exception: on_bug,
+        },
+    )
+    return Gate(app, server.log, server.metrics, server.api_key, own_auth)
