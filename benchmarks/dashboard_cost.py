@@ -5,7 +5,8 @@
 A warm-up run first fills the prefix cache, so every measured run sees the same cache state.
 Reports each run's output throughput, and the CPU seconds the dashboard took while it was open:
 the browser's processes and the HTTP actor (which serves the page's event stream). Needs
-chromium, chromedriver and selenium (see the README). Writes README.md + report.json to --out.
+chromium, chromedriver and selenium (see docs/api.md, the dashboard). Writes README.md to --out, report.json to
+--out's results/.
 
     python -m benchmarks.dashboard_cost --rounds 3 --out docs/benchmarks/dashboard
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from minirt.bench.serve import default_bench_model
+from minirt.eventlog.summary import RESULTS, results_dir
 from minirt.launch.launch import start_runtime
 
 
@@ -60,7 +62,8 @@ def _w1(run_dir: Path, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "minirt.cli", "bench", "serve", "--run-dir", str(run_dir)]
     cmd += ["--workload", "w1", "--requests", "256", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=900)
-    return dict(json.loads((out / "report.json").read_text())["runs"]["minirt"]["summary"])
+    report = json.loads((out / RESULTS / "report.json").read_text())
+    return dict(report["runs"]["minirt"]["summary"])
 
 
 def _browser(url: str, profile: str) -> Any:
@@ -115,8 +118,7 @@ def measure(model: Path, work: Path, rounds: int) -> dict[str, Any]:
 
 
 def write(report: dict[str, Any], out: Path, command: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (results_dir(out) / "report.json").write_text(json.dumps(report, indent=1, default=str))
     runs = report["runs"]
     med = {
         d: statistics.median(r["throughput_tok_s"] for r in runs if r["dashboard"] is d)

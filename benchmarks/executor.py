@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.vllm_row import SINGLE_RUNS
 from minirt.bench.serve import DEFAULT_MODEL
 
 
@@ -176,9 +177,6 @@ def run_hf_cb(
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     by_id = sorted(res.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
     return elapsed, cpu, [list(r.generated_tokens) for r in by_id]
-
-
-SINGLE_RUNS = 3  # one request alone is timed this many times, ours and vLLM's; the best counts
 
 
 def run_single(ex, prompt: list[int], new_tokens: int) -> dict:

@@ -34,6 +34,7 @@ import trio
 
 from benchmarks.openai import free_port
 from minirt.bench.workloads import load_tokenizer, render
+from minirt.eventlog.summary import results_dir
 from minirt.launch.launch import start_runtime
 
 QUESTIONS = [
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--pool-blocks", type=int, default=160, help="the small pool (about 2 prefixes)")
     p.add_argument("--work", default=".minirt/bench-kv-disk")
-    p.add_argument("--out", default="", help="a directory for README.md and report.json")
+    p.add_argument("--out", default="", help="a directory for README.md (report.json: results/)")
     p.add_argument("--machine", default="", help="the machine, in words, for the report")
     args = p.parse_args(argv)
     if args.model:
@@ -296,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(result, indent=1))
+        (results_dir(out) / "report.json").write_text(json.dumps(result, indent=1))
         (out / "README.md").write_text(report(result, sys.argv[1:] if argv is None else argv))
     return 0
 

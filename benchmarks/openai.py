@@ -2,7 +2,8 @@
 one established client (``vllm bench serve``) on the same model and the same workloads, in
 interleaved rounds (each round starts each server afresh, one after the other), with paired
 ratios per round; plus what the HTTP layer costs (the same workload through minirt's ZeroMQ
-client and through its HTTP API, same run). Writes Markdown + PNG + JSON to ``--out``.
+client and through its HTTP API, same run). Writes README.md and its PNGs to ``--out``, the JSON
+to ``--out``'s ``results/``.
 
 Workloads (``--dataset-name random``, the model directory as tokenizer, ``--ignore-eos``, greedy):
 W1-like (64 requests, prompts 32..256 tokens, 64 output tokens, all at once) and a Poisson rate

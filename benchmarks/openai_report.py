@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu import cpu_name
-from minirt.eventlog.summary import table
+from minirt.eventlog.summary import results_dir, table
 
 COLS = [
     "server",
@@ -275,7 +275,7 @@ def write_report(
             table(cost, COST_COLS),
         ]
     md += [f"![{p}]({p})\n" for p in pngs]
-    (out / "report.json").write_text(
+    (results_dir(out) / "report.json").write_text(
         json.dumps({"command": command, "results": slim(results), "http_cost": cost}, indent=1)
     )
     path = out / "README.md"

@@ -2,8 +2,8 @@
 
 1. Records real runs on the bench model: the mix workload (long + short) under fcfs, sjf,
    ``--max-batch-size 8`` and the long-prefill limit, and a Poisson run; each run's events and
-   client-side records are kept (``OUT/runs/NAME/events``, ``OUT/report.json`` in the layout of
-   ``minirt bench serve``, so ``minirt replay OUT --run NAME`` works on them too).
+   client-side records are kept (``OUT/results/runs/NAME/events``, ``OUT/results/report.json`` in
+   the layout of ``minirt bench serve``, so ``minirt replay OUT --run NAME`` works on them too).
 2. Fidelity: replays the fcfs mix run and the Poisson run under their own configuration (each
    with the step-time model fitted on its own steps) and compares TTFT p50/p99 and throughput
    (target: within 15%) and the admission decisions about the first 100 requests (identical).
@@ -12,7 +12,9 @@
    within 20%).
 4. Speed: a synthetic 10,000-request log, read and replayed (target: under 10 s).
 
-Run it on a quiet machine; ``--quick`` (tiny workloads) only checks that it works.
+Run it on a quiet machine; ``--quick`` (tiny workloads) only checks that it works. README.md, its
+plot and each replay's own report (``OUT/replays/NAME/``) go in ``OUT``; the raw data (report.json,
+the recorded runs, the pooled step model) in ``OUT/results/``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import trio
 from minirt.bench.driver import drive
 from minirt.bench.workloads import Job, mix, poisson
 from minirt.eventlog import summary as run_summary
+from minirt.eventlog.summary import results_dir
 from minirt.replay import report, runlog, sim, stepmodel, synth, workload
 
 LONG_PREFILL: dict[str, Any] = {
@@ -85,7 +88,7 @@ def record(model: Path, flags: str, jobs: list[Job], out: Path, name: str) -> di
         run_dir = Path(d) / "rt"
         with start_runtime(model, run_dir, *shlex.split(flags), timeout=300) as rt:
             records, wall = trio.run(drive, rt.endpoint, jobs, 256)
-        dest = out / "runs" / runlog.slug(name)
+        dest = results_dir(out) / "runs" / runlog.slug(name)
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(run_dir / "events", dest / "events")
@@ -100,7 +103,7 @@ def _pass(err: float, target: float) -> str:
 def fidelity_rows(out: Path, name: str, first: int) -> tuple[list[dict[str, Any]], dict]:
     rec = workload.load(out, name)
     model = stepmodel.fit(rec.steps, source=f"fitted from {name}")
-    model.save(out / "runs" / runlog.slug(name))
+    model.save(results_dir(out) / "runs" / runlog.slug(name))
     res = sim.replay(rec, model, to_executor_s=sim.calibrate(rec, model))
     report.write(
         out / "replays" / name, f"minirt replay {out} --run {name}", rec, model, {"replay": res}, {}
@@ -133,13 +136,13 @@ def pooled_model(out: Path, base: str, other: str) -> stepmodel.StepModel:
     batch size needs; the Poisson run's small, varied batches can."""
     rec, oth = workload.load(out, base), workload.load(out, other)
     model = stepmodel.fit_runs([rec.steps, oth.steps], source=f"fitted from {base} + {other}")
-    model.save(out / POOLED)
+    model.save(results_dir(out) / POOLED)
     return model
 
 
 def predict_rows(out: Path, base: str, other: str, runs: dict[str, dict[str, Any]]) -> list[dict]:
     rec = workload.load(out, base)
-    own = stepmodel.StepModel.load(out / "runs" / runlog.slug(base))
+    own = stepmodel.StepModel.load(results_dir(out) / "runs" / runlog.slug(base))
     model = pooled_model(out, base, other)
     lat, own_lat = sim.calibrate(rec, model), sim.calibrate(rec, own)
     rows = []
@@ -147,8 +150,9 @@ def predict_rows(out: Path, base: str, other: str, runs: dict[str, dict[str, Any
         name = f"mix-{variant}"
         res = sim.replay(rec, model, knobs, lat)
         alone = sim.replay(rec, own, knobs, own_lat).summary("short")
-        cmd = f"minirt replay {out} --run {base} --step-model {out / POOLED} " + " ".join(
-            f"--{k} {v}" for k, v in knobs.items()
+        cmd = (
+            f"minirt replay {out} --run {base} --step-model {results_dir(out) / POOLED} "
+            + " ".join(f"--{k} {v}" for k, v in knobs.items())
         )
         report.write(
             out / "replays" / f"predict-{variant}", cmd, rec, model, {"replay": res}, knobs
@@ -264,17 +268,16 @@ def main(argv: list[str]) -> int:
     for r in runs.values():
         r["summary"] = {"run": r["name"], **run_summary.summarize(r["records"], r["wall_s"])}
     data: dict[str, Any] = {"args": vars(a), "runs": runs}
-    (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+    (results_dir(out) / "report.json").write_text(json.dumps(data, indent=1, default=str))
     fid, checks = [], []
     for name in ("mix-fcfs", "poisson-fcfs"):
         rows, check = fidelity_rows(out, name, 100)
         fid += rows
         checks.append(check)
     pred = predict_rows(out, "mix-fcfs", "poisson-fcfs", runs)
-    pooled = stepmodel.StepModel.load(out / POOLED)
+    pooled = stepmodel.StepModel.load(results_dir(out) / POOLED)
     spd = speed(a.synthetic_requests)
     data.update(fidelity=fid, decisions=checks, prediction=pred, speed=spd)
-    (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
     sections = [
         "How the replay works and what this report checks: [METHOD.md](METHOD.md).\n",
         "## Fidelity: replays under the recorded configuration (target: within 15%)\n",
@@ -293,17 +296,18 @@ def main(argv: list[str]) -> int:
         "(short requests, target: p99 TTFT within 20%)\n",
         "The predictions use the step model fitted on the mix run's steps pooled with the "
         "Poisson run's (`minirt replay " + str(out) + " --run mix-fcfs --fit --fit-also "
-        "poisson-fcfs --out " + str(out / POOLED) + "`). The mix run alone cannot tell the "
-        "per-decode cost from the per-step cost (every one of its steps decodes about as many "
-        "requests, so its fit puts all of it in the intercept): the last two columns show what "
-        "that fit predicts, far off wherever the batch size changes.\n\n"
+        "poisson-fcfs --out " + str(results_dir(out) / POOLED) + "`). The mix run alone cannot "
+        "tell the per-decode cost from the per-step cost (every one of its steps decodes about as "
+        "many requests, so its fit puts all of it in the intercept): the last two columns show "
+        "what that fit predicts, far off wherever the batch size changes.\n\n"
         f"```\n{pooled.summary()}\n```\n\n",
         run_summary.table(pred, PRED_COLS),
         "\n## Speed (target: a 10,000-request log in under 10 s)\n",
         run_summary.table([spd], SPEED_COLS),
         "\nEach replay's own report (recorded vs replayed tables, TTFT CDF, throughput and KV use "
         "over time side by side, the replayed event log) is under `replays/`; the recorded runs' "
-        "events under `runs/` (`minirt replay " + str(out) + " --run mix-fcfs --policy sjf`).\n",
+        "events under `results/runs/` (`minirt replay " + str(out) + " --run mix-fcfs --policy "
+        "sjf`).\n",
     ]
     pngs = [predicted_plot(out, pred)]
     command = "minirt bench replay " + " ".join(argv)

@@ -7,7 +7,8 @@ model's context length). Both systems are timed the same way: each point runs it
 to 1 output token and to ``1 + steps`` tokens; the difference is ``steps`` decode steps of the
 whole batch (the prefill cancels; each run twice, the minimum taken; ``nan`` where noise
 exceeded the decode time). minirt's steps are also timed one by one, which gives the same
-quantity with less noise, and that is what its rows show. Writes report.json, README.md and two PNGs into ``--out``.
+quantity with less noise, and that is what its rows show. Writes README.md and two PNGs into
+``--out``, report.json into its ``results/``.
 """
 
 from __future__ import annotations

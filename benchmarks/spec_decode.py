@@ -40,6 +40,7 @@ import trio
 from benchmarks.http_load import TextJob, complete
 from benchmarks.openai import free_port
 from minirt.bench.workloads import code_edit, load_tokenizer, render
+from minirt.eventlog.summary import results_dir
 
 SPEC = {
     "method": "ngram",
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in results["runs"]:
         for name in ("spec", "base"):
             row[name].pop("texts")
-    (out / "report.json").write_text(json.dumps(results, indent=1))
+    (results_dir(out) / "report.json").write_text(json.dumps(results, indent=1))
     (out / "README.md").write_text(report(results, argv if argv is not None else sys.argv[1:]))
     return 0
 

@@ -13,7 +13,8 @@ is compiled".
 The bench model's own tokenizer has 4,096 tokens (its vocabulary is 32,000 ids); token masks
 cost more on a full vocabulary, so by default the model is paired with a 32,000-token BPE
 tokenizer trained here on a synthetic corpus (cached under ~/.cache/minirt); ``--own-tokenizer``
-keeps the model's. ``--json PATH`` writes the results, ``--out DIR`` a Markdown report too.
+keeps the model's. ``--json PATH`` writes the results, ``--out DIR`` a Markdown report too
+(``DIR/README.md``, the results in ``DIR/results/report.json``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.executor import DEFAULT_MODEL, workload
+from minirt.eventlog.summary import results_dir
 
 TOKENIZER_32K = Path.home() / ".cache" / "minirt" / "tokenizers" / "bpe-32k"
 
@@ -85,7 +87,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 requests, 8 new tokens, 1 round")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=None, help="write README.md + report.json here")
+    p.add_argument("--out", type=Path, default=None, help="report directory (README.md)")
     a = p.parse_args(argv)
     if a.quick:
         a.requests, a.new_tokens, a.repeats = 8, 8, 1
@@ -264,8 +266,7 @@ def main(argv: list[str]) -> int:
     if a.json is not None:
         a.json.write_text(json.dumps(res, indent=2))
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "report.json").write_text(json.dumps(res, indent=2))
+        (results_dir(a.out) / "report.json").write_text(json.dumps(res, indent=2))
         (a.out / "README.md").write_text(report(res, " ".join(["minirt bench structured", *argv])))
     return 0
 

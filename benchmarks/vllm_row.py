@@ -39,6 +39,8 @@ TCMALLOC_DIRS = (
     "/usr/lib",
 )
 
+SINGLE_RUNS = 3  # one request alone is timed this many times, ours (benchmarks.executor) and vLLM's; the best counts
+
 
 def tcmalloc() -> str | None:
     """The path of a ``libtcmalloc_minimal`` shared library to preload into vLLM, or None:
@@ -258,8 +260,6 @@ def bench_row(
     tok/s, ms per token alone (the fastest of ``single_runs``, by default as many as ours
     take), peak RSS, our ratio and identical outputs; or why it was skipped. ``engine``:
     :func:`run`'s keywords."""
-    from benchmarks.executor import SINGLE_RUNS
-
     single = [([prompts[0]], new_tokens)] * (SINGLE_RUNS if single_runs is None else single_runs)
     got = run(
         model, [(prompts, new_tokens), *single], keep_outputs=True, **engine

@@ -5,7 +5,8 @@ Against a running runtime (``--run-dir``, default .minirt) or one it starts per 
 the executor alone, vLLM's CPU backend and transformers' static batched generate and continuous
 batching on the same prompts (workloads whose requests all arrive at t=0; benchmarks/compare.py),
 ``--rounds N`` the pipeline, the executor alone and vLLM N times interleaved. ``--sweep`` runs Poisson arrivals at each
-rate. Writes report.json, README.md (Markdown summary) and PNG plots into ``--out``.
+rate. Writes README.md (Markdown summary) and PNG plots into ``--out``, and its raw data into
+``--out``'s ``results/``: report.json and each run's events (``results/runs/NAME/events``).
 
 ``docs-qa`` and ``code-edit`` are real-text workloads (minirt/bench/workloads.py): their prompts
 are rendered by the model's chat template and tokenizer, so they need ``--model`` (or ``--start``,
@@ -13,9 +14,6 @@ which defaults to the bench model). The SmolLM2 comparison with vLLM, for exampl
 
     minirt bench serve --start --model ~/.cache/minirt/models/SmolLM2-135M-Instruct \
         --workload docs-qa --compare --rounds 3
-
-Over 300 lines: one user-facing command whose steps (start, run, compare, report) share one
-argument set; each step is a short function.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from minirt.bench.driver import drive
 from minirt.bench.workloads import REAL_WORKLOADS, WORKLOADS, Job, load_tokenizer, poisson
 from minirt.eventlog import read_events
 from minirt.eventlog import summary as report
+from minirt.eventlog.summary import RESULTS
 from minirt.launch.launch import actor_pids
 from minirt.replay.runlog import keep_run, slug
 
@@ -241,7 +240,8 @@ def run_once(
         cpu = cpu_during(pids, cpu0)
         events = read_events(run_dir)
         if a.out and keep:  # keep the run's events: `minirt replay OUT --run NAME` replays it
-            keep_run(events, t_start - 1.0, t_end + 1.0, Path(a.out) / "runs" / slug(name))
+            dest = Path(a.out) / RESULTS / "runs" / slug(name)
+            keep_run(events, t_start - 1.0, t_end + 1.0, dest)
     recs = [r.summary() for r in records]
     run = {
         "name": name,

@@ -25,9 +25,6 @@ nothing is downloaded. All requests arrive at t=0, each with a fixed output leng
   modules, each with an editing instruction (rename X to Y, add type hints, add docstrings, ...)
   under one short shared system prompt; 128 new tokens. On SmolLM2's tokenizer (seed 0)
   the prompts are 213..657 tokens.
-
-Over 300 lines: a catalogue, one short builder per named workload; splitting it would scatter
-the list users choose from.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Turn bench records into numbers, a Markdown summary, a JSON file and PNG plots."""
+"""Turn bench records into numbers, a Markdown summary, a JSON file and PNG plots: a report
+directory (``write``: README.md and the plots in it, report.json in its ``results/``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from gpu import cpu_name
+
+# A report directory holds README.md (the report, the command at its top) and the pictures it
+# shows; its results/ folder the raw data (report.json, event logs, raw sub-runs). The layout of
+# docs/benchmarks, which every tool that writes a report directory follows.
+RESULTS = "results"
+
+
+def results_dir(out: Path) -> Path:
+    """``out/results``, made if missing: where a report directory keeps its raw data."""
+    path = Path(out) / RESULTS
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -160,8 +173,7 @@ def plots(
 def write(
     out: Path, command: str, title: str, sections: list[str], data: dict[str, Any], pngs: list[str]
 ) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+    (results_dir(out) / "report.json").write_text(json.dumps(data, indent=1, default=str))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     machine = f"Machine: {cpu_name()}, {len(os.sched_getaffinity(0))} CPUs; written {when}.\n"
     md = [f"# {title}\n", f"Regenerate with:\n\n```sh\n{command}\n```\n", machine, *sections]

@@ -96,8 +96,9 @@ def model_dir(a: argparse.Namespace) -> Path:
     from minirt.replay import runlog, workload
 
     p = Path(a.run_dir)
-    if (p / "report.json").exists():
-        return p / "runs" / runlog.slug(a.run or workload.first_run(p))
+    raw = workload.raw_dir(p)
+    if (raw / "report.json").exists():
+        return raw / "runs" / runlog.slug(a.run or workload.first_run(p))
     return p
 
 
@@ -106,7 +107,8 @@ def also_run(a: argparse.Namespace, name: str) -> workload.Recorded:
     from minirt.replay import workload
 
     p = Path(name)
-    if (p / "events").is_dir() or (p / "report.json").exists():
+    raw = workload.raw_dir(p)
+    if (raw / "events").is_dir() or (raw / "report.json").exists():
         return workload.load(p)
     return workload.load(a.run_dir, name)
 
@@ -175,7 +177,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
     same = "identical" if dec["identical"] else f"differ: {dec.get('first_difference')}"
     print(f"admission decisions (first {a.first} requests): {same}")
     print(f"replayed {len(res.records)} requests in {res.sim_s:.2f} s; report: {path}")
-    print(f"events: minirt trace REQUEST_ID --run-dir {out}")
+    print(f"events: minirt trace REQUEST_ID --run-dir {report.events_dir(out)}")
     return 0
 
 

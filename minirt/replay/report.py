@@ -1,6 +1,7 @@
 """A replay's report: recorded vs replayed numbers (as ``minirt bench serve`` reports them),
 fidelity, admission decisions, plots side by side, a knob sweep, and the replayed event log
-(``OUT/events/``, so ``minirt trace ID --run-dir OUT`` shows why a replayed request waited)."""
+(``OUT/results/events/``, so ``minirt trace ID --run-dir OUT/results`` shows why a replayed request
+waited). README.md and the plots go in ``OUT``, report.json and the event log in ``OUT/results``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from minirt.eventlog import summary as run_summary
+from minirt.eventlog.summary import RESULTS
 from minirt.replay.loop import write_events
 from minirt.replay.sim import Result
 from minirt.replay.stepmodel import StepModel
@@ -123,6 +125,13 @@ def sweep_plot(out: Path, knob: str, points: list[dict[str, Any]]) -> str:
     return name
 
 
+def events_dir(out: Path, name: str | None = None) -> Path:
+    """The run directory of a replay's event log in report ``out`` (``minirt trace ID --run-dir``
+    reads it): ``out/results``, or ``out/results/replays/NAME`` in a report of several replays."""
+    raw = Path(out) / RESULTS
+    return raw if name is None else raw / "replays" / name
+
+
 def _fmt_decisions(d: dict[str, Any]) -> str:
     head = (
         f"Admission decisions about the first {d['requests']} requests: "
@@ -143,7 +152,7 @@ def write(
     knobs: dict[str, Any],
     sweep: tuple[str, list[dict[str, Any]]] | None = None,
 ) -> Path:
-    """report.json, README.md, plots and, per replay, its event log."""
+    """README.md and plots; report.json and, per replay, its event log under ``results/``."""
     out.mkdir(parents=True, exist_ok=True)
     table_rows = rows(rec, results)
     sections = [
@@ -174,7 +183,7 @@ def write(
             + ".\n"
         )
         sections.append(_fmt_decisions(dec))
-        run_dir = out if len(results) == 1 else out / "replays" / name
+        run_dir = events_dir(out, None if len(results) == 1 else name)
         write_events(res.events, run_dir)
         data["replays"][name] = {
             "config": res.config.describe(),
@@ -196,7 +205,7 @@ def write(
     some = next(iter(results.values()))
     if some.records:  # the request that waited longest
         rid = max(some.records, key=lambda r: r["queue_s"] or 0.0)["request_id"]
-        where = out if len(results) == 1 else out / "replays" / next(iter(results))
+        where = events_dir(out, None if len(results) == 1 else next(iter(results)))
         sections.append(
             f"\nWhy a replayed request waited: `minirt trace {rid} --run-dir {where}`.\n"
         )

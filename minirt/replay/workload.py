@@ -4,11 +4,9 @@ cancels), its steps (for the step-time model), its admission decisions and its p
 outcome in the shape ``minirt bench serve`` records (so the same report code summarizes both).
 
 ``RUN_DIR`` is a run directory (``RUN_DIR/events/*.jsonl``) or a ``minirt bench serve`` report
-directory (``report.json`` plus ``runs/RUN/events/``): then the client-side records are the recorded
-outcome and the request tags (``long``/``short``) come along.
-
-Over 300 lines: one reader per part of a recorded run (configuration, arrivals, steps,
-outcomes), all over the same merged events.
+directory (``results/report.json`` plus ``results/runs/RUN/events/``; a report written before the
+``results/`` layout has them at its top): then the client-side records are the recorded outcome
+and the request tags (``long``/``short``) come along.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from gpu.step.plan import StepBudget
 from messages.tokenizer import client_request_id
 from minirt.eventlog import read_events
 from minirt.eventlog import summary as run_summary
+from minirt.eventlog.summary import RESULTS
 from minirt.replay.runlog import (
     admission_hop,
     admit_to_run,
@@ -333,9 +332,16 @@ def _record(
     }
 
 
+def raw_dir(report_dir: str | Path) -> Path:
+    """Where a bench serve report keeps report.json and runs/: its ``results/``, or the
+    directory itself (a report of before that layout, or its ``results/`` given directly)."""
+    p = Path(report_dir)
+    return p / RESULTS if (p / RESULTS / "report.json").exists() else p
+
+
 def first_run(report_dir: str | Path) -> str:
     """The first run of a bench serve report (the one replayed without ``--run``)."""
-    runs = json.loads((Path(report_dir) / "report.json").read_text()).get("runs", {})
+    runs = json.loads((raw_dir(report_dir) / "report.json").read_text()).get("runs", {})
     if not runs:
         raise ValueError(f"{report_dir}/report.json: no runs")
     return str(next(iter(runs)))
@@ -343,7 +349,7 @@ def first_run(report_dir: str | Path) -> str:
 
 def load(path: str | Path, run: str | None = None) -> Recorded:
     """A run directory, or a bench serve report directory (``run``: which run; default first)."""
-    p = Path(path)
+    p = raw_dir(path)
     rep = p / "report.json"
     if (p / "events").is_dir() and not rep.exists():
         return from_events(read_events(p), str(p))
@@ -364,4 +370,4 @@ def load(path: str | Path, run: str | None = None) -> Recorded:
         )
     r = runs[name]
     client = {rec["request_id"]: rec for rec in r["records"]}
-    return from_events(read_events(ev_dir), f"{p} ({name})", client, r.get("wall_s"))
+    return from_events(read_events(ev_dir), f"{path} ({name})", client, r.get("wall_s"))

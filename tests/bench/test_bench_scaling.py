@@ -16,7 +16,7 @@ def test_scaling_report_has_both_sweeps(tiny_model, tmp_path):
     assert (
         main([*args, "--context-batch", "2", "--steps", "4", "--skip-vllm", "--out", str(out)]) == 0
     )
-    rows = json.loads((out / "report.json").read_text())["rows"]
+    rows = json.loads((out / "results" / "report.json").read_text())["rows"]
     assert [(r["sweep"], r["batch"]) for r in rows[:2]] == [("batch", 1), ("batch", 8)]
     ctx = [r["context"] for r in rows if r["sweep"] == "context"]
     assert ctx == [64, 1024 - 4 - 2]  # capped to leave room for the decode steps

@@ -24,8 +24,16 @@ def test_bench_serve_writes_report_with_variants(tiny_model, tmp_path):
         "sjf=--policy sjf --num-blocks 512",
     ]
     assert main(argv) == 0
-    data = json.loads((out / "report.json").read_text())
+    # the report beside its plots, the raw data (report.json, each run's events) in results/
+    data = json.loads((out / "results" / "report.json").read_text())
     assert set(data["runs"]) == {"fcfs", "sjf"}
+    assert (out / "results" / "runs" / "fcfs" / "events").is_dir()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "results",
+        "throughput_kv.png",
+        "ttft_cdf.png",
+    ]
     for run in data["runs"].values():
         s = run["summary"]
         assert s["requests"] == 64 and s["errors"] == 0 and s["output_tokens"] == 64 * 32
@@ -55,7 +63,7 @@ def test_compare_rounds_interleave_the_systems_and_report_medians(
     out = tmp_path / "report"
     argv = ["--start", "--model", str(tiny_model), "--workload", "w1", "--requests", "8"]
     assert main([*argv, "--compare", "--rounds", "2", "--out", str(out)]) == 0
-    data = json.loads((out / "report.json").read_text())
+    data = json.loads((out / "results" / "report.json").read_text())
     per = data["compare_rounds"]
     assert [r["round"] for r in per] == [1, 2]
     for r in per:

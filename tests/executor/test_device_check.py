@@ -41,5 +41,5 @@ def test_device_check_runs_every_phase_on_cpu(tmp_path):
     assert phases["memory"]["num_blocks"] > 0
     with tarfile.open(out / "reports.tar.gz") as tar:
         names = tar.getnames()
-    assert "reports/bench.json" in names and "reports/bench-serve/report.json" in names
+    assert "reports/bench.json" in names and "reports/bench-serve/results/report.json" in names
     assert done.stdout.strip().endswith("device-check: all phases passed")

@@ -140,12 +140,12 @@ def test_replay_makes_the_recorded_admission_decisions(recorded) -> None:
 def test_replayed_request_can_be_traced(recorded, tmp_path) -> None:
     out = tmp_path / "replay"
     assert main([str(recorded), "--out", str(out)]) == 0
-    data = json.loads((out / "report.json").read_text())
+    data = json.loads((out / "results" / "report.json").read_text())
     assert data["replays"]["replay"]["decisions"]["identical"]
     for png in ("ttft_cdf.png", "throughput_kv.png"):
         assert (out / png).stat().st_size > 1000
     refused = next(d[1] for d in workload.load(recorded).decisions if d[0] == "refuse")
-    lines = trace_lines(read_events(out), refused)
+    lines = trace_lines(read_events(out / "results"), refused)  # the replayed events
     text = "\n".join(lines)
     for actor in ("tokenizer", "scheduler", "kv_manager", "executor"):
         assert f" {actor} " in text, actor
@@ -171,10 +171,10 @@ def test_a_bench_serve_report_replays(tiny_model, tmp_path) -> None:
     report = tmp_path / "report"
     argv = ["--start", "--model", str(tiny_model), "--workload", "w1", "--requests", "12"]
     assert serve([*argv, "--out", str(report), "--variant", "small=--max-batch-size 4"]) == 0
-    assert (report / "runs" / "small" / "events" / "scheduler.jsonl").exists()
+    assert (report / "results" / "runs" / "small" / "events" / "scheduler.jsonl").exists()
     out = tmp_path / "replay"
     assert main([str(report), "--run", "small", "--out", str(out), "--max-batch-size", "2"]) == 0
-    data = json.loads((out / "report.json").read_text())
+    data = json.loads((out / "results" / "report.json").read_text())
     assert data["config"]["max_batch_size"] == 4
     assert data["replays"]["replay"]["config"]["max_batch_size"] == 2
     rows = {r["run"]: r for r in data["rows"]}

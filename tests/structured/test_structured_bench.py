@@ -11,7 +11,7 @@ from benchmarks.structured import main
 def test_bench_structured_quick(tiny_model, tmp_path):
     out = tmp_path / "report"
     assert main(["--model", str(tiny_model), "--own-tokenizer", "--quick", "--out", str(out)]) == 0
-    res = json.loads((out / "report.json").read_text())
+    res = json.loads((out / "results" / "report.json").read_text())
     assert res["constrained"]["tokens"] == res["free"]["tokens"] == 8 * 8
     assert res["constrained"]["all_length"] and res["mixed"]["all_length"]
     assert res["constrained"]["mask_ms"] > 0 and res["free"]["mask_ms"] == 0
