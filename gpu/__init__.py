@@ -1,4 +1,6 @@
-"""The executor's side of minirt: the model, its kernels and the executor actor."""
+"""The executor actor (actor.py, around the pure core.py, driving model_runner.py) and what it
+runs: the model and its kernels (model/, kernels.py over csrc/), step planning (step/), the disk
+tier's files (disk/), speculative decoding (spec/) and structured output's masks (structured/)."""
 
 from __future__ import annotations
 

@@ -31,23 +31,20 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgspec
-
 from actors.shared.grammar import Compiled, GrammarCache, GrammarError
 from gpu.disk.io import DiskIO, DiskRead, DiskWritten
 from gpu.publish import step_messages
-from gpu.recovery import Flight, Recovery
+from gpu.recovery import Recovery
 from gpu.request_table import RequestTable
 from gpu.requests import ExecutorInputError, StepResult
 from gpu.spec.verify import spec_fields
+from gpu.state import CoreState, Flight, Outgoing
 from gpu.step.plan import burst_end
 from gpu.structured.builds import GrammarBuilt, MatcherBuilds
 from messages import executor as xm
 from messages import kv
 from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import RequestAdmitted
-
-Outgoing = tuple[str, msgspec.Struct]
 
 
 class Runner(Protocol):
@@ -72,29 +69,36 @@ class ExecutorCore:
         disk: DiskIO | None = None,
     ) -> None:
         self.runner = runner
+        self.state = CoreState(
+            runner.requests,
+            log,
+            clock,
+            MatcherBuilds(grammars) if grammars is not None else None,
+            disk,
+        )
         self.requests = runner.requests
         self.lookahead = lookahead_tokens
         self.draft_tokens = draft_tokens  # speculative decoding: drafts a step may verify
         self.burst_wait_s = burst_wait_s
         self.log = log
         self.clock = clock
-        self.flight: dict[str, Flight] = {}
-        self.builds = MatcherBuilds(grammars) if grammars is not None else None
-        self.disk = disk  # the disk tier's loads and writes (--kv-disk-dir), else None
+        self.flight = self.state.flight
+        self.builds = self.state.builds
+        self.disk = self.state.disk
         self.prefill_s = 0.0  # recent prefill steps' seconds per token (what a load saves)
-        self.outbox: list[Outgoing] = []
         self.more_coming = False  # the last run said another is being admitted behind it
         self.steps = 0
-        self.recovery = Recovery(self)
+        self.recovery = Recovery(self.state)
+        self.send = self.state.send
+        self.building = self.state.building
 
     # ------------------------------------------------------------------ outbox
-    def send(self, peer: str, msg: msgspec.Struct) -> None:
-        if isinstance(msg, RequestDone):
-            self.recovery.done_sent(msg, self.clock())
-        self.outbox.append((peer, msg))
+    @property
+    def outbox(self) -> list[Outgoing]:
+        return self.state.outbox
 
     def take_outbox(self) -> list[Outgoing]:
-        out, self.outbox = self.outbox, []
+        out, self.state.outbox = self.state.outbox, []
         return out
 
     def take_builds(self) -> list[xm.Run]:
@@ -149,12 +153,6 @@ class ExecutorCore:
     def _stop_building(self, rid: str, attempt: int | None = None) -> bool:
         loading = self.disk is not None and self.disk.drop(rid, attempt)
         return loading or (self.builds is not None and self.builds.drop(rid, attempt))
-
-    def building(self) -> list[xm.Run]:
-        """The runs waiting for their matcher or their blocks from disk (they hold blocks,
-        not yet running)."""
-        runs = list(self.builds.runs.values()) if self.builds is not None else []
-        return runs + (list(self.disk.loading.values()) if self.disk is not None else [])
 
     def _disk(self, msg: DiskRead | DiskWritten | xm.DiskSave | xm.DiskDrop) -> None:
         if self.disk is None:

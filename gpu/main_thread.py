@@ -4,9 +4,7 @@ The executor actor's event loop must keep answering heartbeats while a step runs
 step can take seconds), so the step runs outside trio's thread. It used to run in one of
 trio's worker threads; from the main thread, where OpenMP's thread team is the process's first
 and its workers spin briefly at barriers (the default wait policy) instead of sleeping, the same
-forward is faster. Measured on the bench model, W1 (64 requests) through the executor alone on
-2 cores, `OMP_NUM_THREADS=2`: 724 tok/s from a worker thread (any wait policy), 694 from the main
-thread with `OMP_WAIT_POLICY=PASSIVE`, 868 from the main thread with the default policy.
+forward is faster (docs/benchmarks/cpu-levers/README.md: ~1.2x on W1 through the executor alone).
 
 ``MainThreadSteps.run(fn)`` (in trio) hands ``fn`` to the main thread and waits for its outcome;
 ``serve(stopped)`` is the main thread's loop until ``stopped`` is set.

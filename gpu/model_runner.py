@@ -1,4 +1,5 @@
-"""The executor: owns the model and the paged KV cache, runs one mixed prefill/decode step at a time.
+"""The model runner: owns the model and the paged KV cache, runs one mixed prefill/decode step at a
+time (the executor actor drives it through its core, ``gpu/core.py``).
 
 It never allocates KV blocks: callers hand it block tables (plain ints) with each request and
 grow them with :meth:`ModelRunner.extend`. Each :meth:`ModelRunner.step` schedules decodes first (one
@@ -6,10 +7,6 @@ token each, FCFS), then prefill chunks FCFS within the token budget, runs one fo
 flat batch, samples, and drops finished requests (the caller frees their blocks). With
 speculative decoding on (``gpu/spec/``), a decode may also verify drafts in the same forward and
 emit several tokens in one step.
-
-Over 300 lines: ``step`` is one algorithm over one flat batch (plan, inputs, forward, masks,
-sampling, ends) whose parts share its rows; the request table, plans, sampling, masks and
-attention are their own files.
 """
 
 from __future__ import annotations
@@ -357,7 +354,17 @@ class ModelRunner:
             if req.out:  # a decode: its input and accepted drafts are in the cache now
                 req.computed += n
             for j in range(i, i + n):
-                mask_s += step_batch.emit(self, req, tokens[j], lps[j], tops[j], outputs, failed)
+                mask_s += step_batch.emit(
+                    self.requests,
+                    self.structured,
+                    self.max_model_len,
+                    req,
+                    tokens[j],
+                    lps[j],
+                    tops[j],
+                    outputs,
+                    failed,
+                )
                 if req.rid not in self.requests:
                     break  # it ended
         step_s = time.perf_counter() - t0

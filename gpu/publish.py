@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from actors.shared.reservation import grow_to
-from gpu.recovery import Flight, finished
 from gpu.requests import StepResult
+from gpu.state import Flight, finished
 from messages.kv import Grow
 from messages.scheduler import RequestDone
 from messages.tokenizer import TokenBatch, TokenEvent

@@ -1,8 +1,6 @@
-"""The ``minirt`` command line: one entry point, one subcommand per verb.
-
-Over 300 lines: the table of verbs, each a few lines that hand over to the module doing the
-work; kept together so ``minirt --help`` reads as one place.
-"""
+"""minirt: an actor-based LLM serving runtime. `minirt up` serves a model on the OpenAI API and
+over ZeroMQ; the other verbs talk to a running runtime, read its event log, or benchmark it.
+`minirt VERB --help` tells more of each."""
 
 from __future__ import annotations
 
@@ -12,14 +10,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Handler = Callable[[argparse.Namespace], int]
-_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
+_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
+# how ``minirt --help`` lists the verbs: serving first, then using a runtime, then tools
+ORDER = ("up", "generate", "events", "trace", "replay", "bench", "ping", "actor", "keys")
 
 
-def command(name: str, setup: Callable[[argparse.ArgumentParser], None]):
-    """Register ``fn`` as the handler of subcommand ``name``; ``setup`` adds its arguments."""
+def command(name: str, setup: Callable[[argparse.ArgumentParser], None], help: str):
+    """Register ``fn`` as the handler of subcommand ``name``; ``setup`` adds its arguments,
+    ``help`` is its line in ``minirt --help``."""
 
     def register(fn: Handler) -> Handler:
-        _COMMANDS[name] = (setup, fn)
+        _COMMANDS[name] = (setup, fn, help)
         return fn
 
     return register
@@ -34,7 +35,11 @@ def _make_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-@command("make-model", _make_model_args)
+@command(
+    "make-model",
+    _make_model_args,
+    "write a small random-weight model (a transformers directory) for tests and demos",
+)
 def _make_model(args: argparse.Namespace) -> int:
     from gpu.model.make_model import make_model
 
@@ -62,7 +67,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that mode (--help)")
 
 
-@command("bench", _bench_args)
+@command(
+    "bench",
+    _bench_args,
+    "benchmark a running runtime (serve) or one part of it (executor, kv, scheduler, ...)",
+)
 def _bench(args: argparse.Namespace) -> int:
     if args.mode == "serve":
         from minirt.bench import serve as module
@@ -129,7 +138,11 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
 
 
-@command("up", _up_args)
+@command(
+    "up",
+    _up_args,
+    "serve a model: start the actors, the HTTP server (OpenAI API) and the dashboard",
+)
 def _up(args: argparse.Namespace) -> int:
     import os
 
@@ -172,7 +185,11 @@ def _actor_args(p: argparse.ArgumentParser) -> None:
     _config_args(p)
 
 
-@command("actor", _actor_args)
+@command(
+    "actor",
+    _actor_args,
+    "run one actor in this process (what `minirt up` and docker compose start)",
+)
 def _actor(args: argparse.Namespace) -> int:
     from minirt.launch.runner import run_actor
 
@@ -213,7 +230,11 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
-@command("generate", _generate_args)
+@command(
+    "generate",
+    _generate_args,
+    "send one prompt to a running runtime over ZeroMQ and print the answer",
+)
 def _generate(args: argparse.Namespace) -> int:
     import json
 
@@ -265,7 +286,7 @@ def _events_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="FILE", help="write the dashboard's views as one HTML file")
 
 
-@command("events", _events_args)
+@command("events", _events_args, "print or follow a run's merged event log")
 def _events(args: argparse.Namespace) -> int:
     from minirt.eventlog import show_events
 
@@ -284,7 +305,7 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="FILE", help="write the dashboard, open on this request")
 
 
-@command("trace", _trace_args)
+@command("trace", _trace_args, "one request's events across the actors, in order")
 def _trace(args: argparse.Namespace) -> int:
     from minirt.eventlog import trace
 
@@ -301,7 +322,9 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     build_args(p)
 
 
-@command("replay", _replay_args)
+@command(
+    "replay", _replay_args, "re-run a recorded event log under another policy, budget or batch size"
+)
 def _replay(args: argparse.Namespace) -> int:
     from minirt.replay.cli import run_checked
 
@@ -318,7 +341,7 @@ def _keys_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-@command("keys", _keys_args)
+@command("keys", _keys_args, "make the CURVE key pairs for encrypted, authenticated transport")
 def _keys(args: argparse.Namespace) -> int:
     from actors.runtime.security import make_keys
 
@@ -337,7 +360,7 @@ def _ping_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-dir", help="client keys (servers that require CURVE)")
 
 
-@command("ping", _ping_args)
+@command("ping", _ping_args, "ask each actor of a running runtime whether it answers")
 def _ping(args: argparse.Namespace) -> int:
     import trio
 
@@ -369,9 +392,11 @@ def _ping(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minirt", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (setup, _) in _COMMANDS.items():
-        setup(sub.add_parser(name))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
+    order = [*ORDER, *(n for n in _COMMANDS if n not in ORDER)]
+    for name in order:
+        setup, _, help = _COMMANDS[name]
+        setup(sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + "."))
     return parser
 
 

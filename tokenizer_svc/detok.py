@@ -7,7 +7,7 @@ concatenated deltas plus ``flush()`` equal ``tokenizer.decode(ids)``.
 
 A fast (``tokenizers``) tokenizer that does not clean up spaces after decoding is decoded through
 its backend directly: transformers' ``decode`` converts and checks the ids in Python first, which
-was most of the front door's detokenization time (W1: 8,320 decodes, 28 -> 8 ms of CPU).
+was most of the front door's detokenization time (docs/benchmarks/cpu-levers/README.md).
 """
 
 from __future__ import annotations

@@ -7,13 +7,14 @@ depths, keys, block ownership, lock counts, evictable count and LRU heap are con
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from actors.kv.radix_cache import RadixCache, RadixNode
 from actors.shared.errors import KVInvariantError
 
 if TYPE_CHECKING:
-    from actors.kv.manager import KVManager
+    from actors.kv.block_pool import BlockPool
 
 
 def _fail(msg: str) -> None:
@@ -80,13 +81,23 @@ def check_tree(cache: RadixCache, lock_nodes: list[RadixNode]) -> list[RadixNode
     return nodes
 
 
-def check_manager(mgr: KVManager) -> None:
-    """Check pool, tree and request tables against each other."""
-    pool, cache, bs = mgr.pool, mgr.cache, mgr.block_size
+class Holder(Protocol):
+    """A request's hold on blocks, as the manager keeps it."""
+
+    blocks: list[int]
+    cached_tokens: int
+    lock: RadixNode | None
+
+
+def check_manager(
+    pool: BlockPool, cache: RadixCache, bs: int, requests: Mapping[str, Holder], counted: int
+) -> None:
+    """Check pool, tree and request tables against each other (``counted``: the manager's count
+    of blocks in use)."""
     pool.check()
     holders = [0] * pool.num_blocks
     locks: list[RadixNode] = []
-    for rid, req in mgr.requests.items():
+    for rid, req in requests.items():
         if len(set(req.blocks)) != len(req.blocks):
             _fail(f"request {rid!r} holds a block twice: {req.blocks}")
         for pos, b in enumerate(req.blocks):
@@ -120,5 +131,5 @@ def check_manager(mgr: KVManager) -> None:
         if refs[b] != holders[b] + cached:
             _fail(f"block {b}: ref {refs[b]}, but {holders[b]} requests + {int(cached)} cache")
         in_use += holders[b] > 0
-    if in_use != mgr._in_use:
-        _fail(f"in_use counter {mgr._in_use}, actual {in_use}")
+    if in_use != counted:
+        _fail(f"in_use counter {counted}, actual {in_use}")

@@ -24,9 +24,6 @@ ignored. Events (all ``kv.*`` / ``prefix.*``): kv.config, kv.refused, prefix.mat
 kv.evicted, kv.allocated, kv.extended, kv.shortage, kv.released, kv.cached, kv.cache_error,
 kv.finish_error, kv.stale_request, kv.reset, kv.rebuilt, kv.rebuild_failed; the disk tier's
 (``disk_control.py``: kv.disk_*) when the executor keeps one (``--kv-disk-dir``).
-
-Over 300 lines: one handler per KV message of the protocol, each short, over one ``KVManager``;
-the rebuild after a crash is ``rebuild.py``.
 """
 
 from __future__ import annotations
@@ -38,16 +35,15 @@ import msgspec
 
 from actors.kv.disk_control import DiskControl
 from actors.kv.manager import KVManager
-from actors.kv.rebuild import Rebuilding, RebuildMixin
+from actors.kv.rebuild import Rebuild, Rebuilding
 from actors.kv.results import Extended, Refused, Shortage
+from actors.kv.state import CoreState, Outgoing
 from actors.runtime.config import KVConfig
 from actors.shared.errors import KVError
 from messages import kv as km
 from messages.common import Reconcile
 from messages.executor import Extend
 from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVHeld, KVRebuilt
-
-Outgoing = tuple[str, msgspec.Struct]
 
 
 def _numbers(res: Refused | Shortage) -> dict[str, int]:
@@ -59,16 +55,13 @@ def _numbers(res: Refused | Shortage) -> dict[str, int]:
     }
 
 
-class KVCore(RebuildMixin):
+class KVCore:
     def __init__(self, num_blocks: int, cfg: KVConfig, log: Any) -> None:
         self.cfg = cfg
         self.log = log
-        self.mgr = self._new_manager(num_blocks)
-        self.attempts: dict[str, int] = {}  # request id -> the attempt holding its blocks
-        self.pending_growth: OrderedDict[str, tuple[int, int]] = OrderedDict()  # oldest first
-        self.outbox: list[Outgoing] = []
-        self.rebuilding: Rebuilding | None = None  # a restarted KV manager, reports coming in
-        self.disk = DiskControl(cfg.disk_bytes, log, self._send)  # inert until announced
+        self.state = CoreState(self._new_manager(num_blocks), log)
+        self.rebuild = Rebuild(self.state, self._new_manager, self._grow, self.handle)
+        self.disk = DiskControl(cfg.disk_bytes, log, self.state.send)  # inert until announced
         self.log.info(
             "kv.config",
             num_blocks=num_blocks,
@@ -81,11 +74,37 @@ class KVCore(RebuildMixin):
         c = self.cfg
         return KVManager(num_blocks, c.block_size, mode=c.mode, lookahead_blocks=c.lookahead_blocks)
 
+    # the state the parts share, under the names the core's code reads
+    @property
+    def mgr(self) -> KVManager:
+        return self.state.mgr
+
+    @mgr.setter
+    def mgr(self, mgr: KVManager) -> None:
+        self.state.mgr = mgr
+
+    @property
+    def attempts(self) -> dict[str, int]:
+        return self.state.attempts
+
+    @property
+    def pending_growth(self) -> OrderedDict[str, tuple[int, int]]:
+        return self.state.pending_growth
+
+    @property
+    def outbox(self) -> list[Outgoing]:
+        return self.state.outbox
+
+    @property
+    def rebuilding(self) -> Rebuilding | None:
+        """The reports of a restarted KV manager so far, while it waits for the rest."""
+        return self.rebuild.rebuilding
+
     def _send(self, peer: str, msg: msgspec.Struct) -> None:
-        self.outbox.append((peer, msg))
+        self.state.send(peer, msg)
 
     def take_outbox(self) -> list[Outgoing]:
-        out, self.outbox = self.outbox, []
+        out, self.state.outbox = self.state.outbox, []
         return out
 
     def _current(self, rid: str, attempt: int) -> bool:
@@ -116,7 +135,7 @@ class KVCore(RebuildMixin):
                 blocks_evictable=res.blocks_evictable,
                 pinned=self.disk.pinning(),
             )
-            self.outbox.append(("scheduler", refusal))
+            self._send("scheduler", refusal)
             return
         self.attempts[rid] = msg.attempt
         loads, keys = self.disk.admitted(mgr, rid, msg.token_ids, msg.cache_salt, res.cached_tokens)
@@ -151,7 +170,7 @@ class KVCore(RebuildMixin):
             load_blocks=loads,
             load_keys=keys,
         )
-        self.outbox.append(("scheduler", result))
+        self._send("scheduler", result)
 
     def grow(self, msg: km.Grow) -> None:
         if self._current(msg.request_id, msg.attempt):
@@ -179,12 +198,12 @@ class KVCore(RebuildMixin):
                     in_use=self.mgr.stats().in_use,
                 )
                 ext = Extend(request_id=rid, attempt=attempt, blocks=res.new_blocks)
-                self.outbox.append(("executor", ext))
+                self._send("executor", ext)
             return True
         self.pending_growth[rid] = (attempt, total)
         nums = _numbers(res)
         self.log.info("kv.shortage", request_id=rid, **nums)
-        self.outbox.append(("scheduler", GrowthShortage(request_id=rid, attempt=attempt, **nums)))
+        self._send("scheduler", GrowthShortage(request_id=rid, attempt=attempt, **nums))
         return False
 
     def cache_prefix(self, msg: km.CachePrefix) -> None:
@@ -225,7 +244,7 @@ class KVCore(RebuildMixin):
             answer=answer,
             disk_bytes=tier.bytes if (tier := self.disk.tier) is not None else 0,
         )
-        self.outbox.append(("scheduler", freed_msg))
+        self._send("scheduler", freed_msg)
 
     def _unpinned(self) -> None:
         """Blocks a disk write pinned are evictable again: growth and admission retry."""
@@ -257,7 +276,7 @@ class KVCore(RebuildMixin):
         """Dispatch one inbound message; returns the answer to a query (``kv_match``,
         ``kv_stats``) for the sender's connection, else None (what to send is in the outbox)."""
         if isinstance(msg, (km.Rebuild, km.Holding)):
-            self.report(msg)
+            self.rebuild.report(msg)
         elif isinstance(msg, Reconcile):
             return self.held()
         elif isinstance(msg, km.DiskTier):
@@ -340,15 +359,15 @@ class KVCore(RebuildMixin):
             if self.rebuilding is not None:
                 self.rebuilding.scheduler_gone = True  # the executor's tables are the truth
                 if self.rebuilding.ready:
-                    self._rebuild(self.rebuilding)
+                    self.rebuild.rebuild(self.rebuilding)
             self.log.warning("kv.scheduler_lost", reason=reason, running=len(self.mgr.requests))
             return
         if self.rebuilding is not None:
-            waited, self.rebuilding = self.rebuilding, None
+            waited, self.rebuild.rebuilding = self.rebuilding, None
             if waited.running is not None:
                 why = f"{name} died during the rebuild: {reason}"
                 self.log.error("kv.rebuild_failed", reason=why, requests=len(waited.running))
-                self.outbox.append(("scheduler", KVRebuilt(ok=False, reason=why)))
+                self._send("scheduler", KVRebuilt(ok=False, reason=why))
         if name == "executor":
             self.mgr = self._new_manager(self.mgr.pool.num_blocks)
             self.disk.reset()

@@ -6,10 +6,6 @@ rest, evicting LRU cache leaves if needed, or refuse with no change), optionally
 ``release`` to preempt), then ``finish`` (cache its full blocks, drop its refs) or ``release``.
 Every method either completes or raises ``KVError`` before changing anything (at most the
 LRU recency of a walked prefix is refreshed).
-
-Over 300 lines: the verb pairs of one pool (``can_allocate``/``allocate``,
-``admit``/``release``, growth, eviction) must see the same block counts; the pool and the radix
-tree are their own files.
 """
 
 from __future__ import annotations
@@ -128,7 +124,7 @@ class KVManager:
 
     def check(self) -> None:
         """Verify all bookkeeping (O(blocks + nodes)); raises ``KVInvariantError``."""
-        check_manager(self)
+        check_manager(self.pool, self.cache, self.block_size, self.requests, self._in_use)
 
     # ---- admission and growth --------------------------------------------------------------
 

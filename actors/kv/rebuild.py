@@ -11,11 +11,13 @@ wait, and are handled after the rebuild.
 
 from __future__ import annotations
 
-import abc
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.kv.manager import KVManager
+from actors.kv.state import CoreState
 from actors.shared.errors import KVError
 from messages import kv as km
 from messages.scheduler import KVRebuilt
@@ -63,27 +65,25 @@ class Rebuilding:
         return sum((r.request_id, r.attempt) in held for r in self.running or ())
 
 
-class RebuildMixin(abc.ABC):
-    """``KVCore``'s part that rebuilds a restarted KV manager's pool (the core's state is its)."""
+class Rebuild:
+    """``KVCore``'s part that rebuilds a restarted KV manager's pool from its peers' reports.
 
-    rebuilding: Rebuilding | None
-    mgr: Any
-    log: Any
-    outbox: list
-    attempts: dict[str, int]
-    pending_growth: OrderedDict
+    It gets the core's state and the three core operations it calls when it is built:
+    ``new_manager`` (an empty manager of the core's configuration), ``grow`` (grant growth or
+    report the shortage) and ``handle`` (dispatch a message that waited for the rebuild)."""
 
-    @abc.abstractmethod
-    def _new_manager(self, num_blocks: int) -> Any:
-        """An empty manager of the core's configuration (core.py)."""
-
-    @abc.abstractmethod
-    def _grow(self, rid: str, attempt: int, total: int) -> bool:
-        """Grant growth, or report the shortage (core.py)."""
-
-    @abc.abstractmethod
-    def handle(self, msg: Any) -> Any:
-        """Dispatch one inbound message (core.py)."""
+    def __init__(
+        self,
+        state: CoreState,
+        new_manager: Callable[[int], KVManager],
+        grow: Callable[[str, int, int], bool],
+        handle: Callable[[Any], Any],
+    ) -> None:
+        self.state = state
+        self.new_manager = new_manager
+        self.grow = grow
+        self.handle = handle
+        self.rebuilding: Rebuilding | None = None  # a restarted KV manager, reports coming in
 
     def report(self, msg: km.Rebuild | km.Holding) -> None:
         """A peer's report to this restarted KV manager; rebuild once both are in."""
@@ -91,22 +91,23 @@ class RebuildMixin(abc.ABC):
             self.rebuilding = Rebuilding()
         self.rebuilding.add(msg)
         if self.rebuilding.ready:
-            self._rebuild(self.rebuilding)
+            self.rebuild(self.rebuilding)
 
-    def _rebuild(self, r: Rebuilding) -> None:
+    def rebuild(self, r: Rebuilding) -> None:
+        st = self.state
         self.rebuilding = None
         tables = r.tables()
-        mgr = self._new_manager(self.mgr.pool.num_blocks)
+        mgr = self.new_manager(st.mgr.pool.num_blocks)
         try:
             mgr.adopt([(h.request_id, h.block_table) for h in tables])
         except KVError as e:  # a peer's tables do not fit this pool: resume them instead
-            self.log.error("kv.rebuild_failed", reason=str(e), requests=len(tables))
-            self.outbox.append(("scheduler", KVRebuilt(ok=False, reason=str(e))))
+            st.log.error("kv.rebuild_failed", reason=str(e), requests=len(tables))
+            st.send("scheduler", KVRebuilt(ok=False, reason=str(e)))
             return
-        self.mgr, self.pending_growth = mgr, OrderedDict()
-        self.attempts = {h.request_id: h.attempt for h in tables}
+        st.mgr, st.pending_growth = mgr, OrderedDict()
+        st.attempts = {h.request_id: h.attempt for h in tables}
         s = mgr.stats()
-        self.log.info(
+        st.log.info(
             "kv.rebuilt",
             requests=len(tables),
             from_executor=r.from_executor,
@@ -118,9 +119,9 @@ class RebuildMixin(abc.ABC):
         done = KVRebuilt(
             ok=True, requests=len(tables), in_use=s.in_use, free=s.free, num_blocks=s.num_blocks
         )
-        self.outbox.append(("scheduler", done))
+        st.send("scheduler", done)
         for h in tables:  # growth asked of the dead KV manager, asked again
             if h.want_tokens > mgr.capacity(h.request_id):
-                self._grow(h.request_id, h.attempt, h.want_tokens)
+                self.grow(h.request_id, h.attempt, h.want_tokens)
         for msg in r.deferred:
             self.handle(msg)

@@ -8,9 +8,6 @@ the field's name with dashes (``kv.num_blocks`` is ``--num-blocks``) unless its 
 another, and the variable is the flag in capitals (``MINIRT_NUM_BLOCKS``). Adding a field, or a
 section (a dataclass-typed field of ``RuntimeConfig``), is all it takes to get both; its
 ``metadata=doc(...)`` gives the help text and, where the type does not, the allowed values.
-
-Over 300 lines: the dataclasses are the single source of every flag, variable and TOML key, one
-field with its help per setting.
 """
 
 from __future__ import annotations
@@ -29,11 +26,12 @@ from actors.runtime.options import Option, doc, options_of
 ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")
 
 
-def scheduler_policies() -> list[str]:
-    """The waiting-queue policies, as the scheduler defines them (a light, pure module)."""
-    from actors.scheduler.queue import POLICIES
+# The scheduler's waiting-queue policies (actors/scheduler/queue.py implements one per name).
+QUEUE_POLICIES = ("fcfs", "lpm", "priority", "sjf")
 
-    return sorted(POLICIES)
+
+def scheduler_policies() -> list[str]:
+    return list(QUEUE_POLICIES)
 
 
 def _endpoint(name: str) -> Any:

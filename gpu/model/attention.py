@@ -3,10 +3,9 @@
 Row order of the flat batch: all decodes first (one row each), then each prefill chunk's rows.
 On CPU, decodes run through :mod:`gpu.model.paged_kernel`, which reads the context blocks in place,
 and so do prefill rows: each row is attended as a decode at its own position, over its causal
-prefix in the cache (``MINIRT_PAGED_PREFILL=0`` sends them through SDPA as below). That beat
-SDPA's CPU flash attention 1.6-1.7x on an 805-token causal prompt (8/2 heads, head_dim 64: 4.3
-vs 7.4 ms a layer, outputs within 7e-7), needs no gather of a chunk's cached context, and a
-row's result no longer depends on where its chunk starts. Elsewhere (or without a C compiler)
+prefix in the cache (``MINIRT_PAGED_PREFILL=0`` sends them through SDPA as below). That beats
+SDPA's CPU flash attention (docs/benchmarks/cpu-levers/README.md), needs no gather of a chunk's
+cached context, and a row's result no longer depends on where its chunk starts. Elsewhere (or without a C compiler)
 decodes are attended in a few groups of similar context length (see :func:`group_by_length`): each group's context blocks are gathered from the cache into ``[kv_heads, B, L, head_dim]``
 (L = the group's longest context rounded up to a block, a mask hides the tail) and two batched
 matmuls compute the whole group. Grouping bounds the padding: one group for contexts of 100 and
@@ -285,8 +284,7 @@ def paged_attention(
         else:
             kp = kc.index_select(0, ch.ctx_slots).view(1, kv_heads, -1, d)
             vp = vc.index_select(0, ch.ctx_slots).view(1, kv_heads, -1, d)
-            # enable_gqa rather than repeating K/V per query head: same output, and 3.5x faster
-            # for a 36-row chunk over 836 cached positions (8/2 heads, torch 2.13, 1.47 -> 0.42 ms)
+            # enable_gqa over repeating K/V: same output, 3.5x faster (docs/benchmarks/README.md)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=ch.mask, scale=scale, enable_gqa=group > 1
             )

@@ -81,9 +81,8 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> bool:
     return True
 
 
-# the most rows :func:`rows_linear` takes: up to 64 it beats oneDNN's packed kernel (1.5x at 32
-# rows, 1.1-1.2x at 64, on weights streamed from DRAM or L3); above, each further 32 rows read
-# every weight block once more and oneDNN's blocking wins
+# the most rows :func:`rows_linear` takes: past it, each further 32 rows read every weight block
+# once more and oneDNN's blocking wins (docs/benchmarks/cpu-levers/README.md)
 ROWS_MAX = 64
 
 

@@ -3,9 +3,9 @@
 Each step allocates tens of megabytes of activations and gathered K/V and frees them again. With
 glibc's defaults those buffers come from fresh ``mmap`` pages (or heap memory trimmed back to the
 OS after every free), so every step pays a page fault per 4 KiB touched; in a VM that is
-expensive. Measured on the decode attention at batch 64 (2 threads, this project's 2-core test
-machine): 10 ms per layer with the defaults, 3-4 ms with the settings below. They keep freed
-memory in the process for reuse (peak RSS is unchanged; RSS just does not drop between steps).
+expensive (it tripled a decode layer's attention time: docs/benchmarks/README.md). The settings
+below keep freed memory in the process for reuse (peak RSS is unchanged; RSS just does not drop
+between steps).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     pages (``madvise(MADV_HUGEPAGE)`` before the first touch, 2 MiB aligned).
 
     For the KV pool: decode attention reads each request's blocks where they lie, a 4 KiB page
-    apiece, and with 4 KiB pages nearly every block read also misses the TLB. Advised, the q05
-    model's decode attention at batch 32 (24 layers, blocks scattered over a 1.1 GB pool) took
-    16-17 instead of 20-21 ms a step. Where the kernel has no THP (or in ``madvise`` mode refuses)
-    the memory is ordinary; ``MINIRT_KV_HUGE_PAGES=0`` skips the advice (A/B)."""
+    apiece, and with 4 KiB pages nearly every block read also misses the TLB once blocks have
+    scattered (docs/benchmarks/cpu-levers/README.md). Where the kernel has no THP (or in
+    ``madvise`` mode refuses) the memory is ordinary; ``MINIRT_KV_HUGE_PAGES=0`` skips the
+    advice (A/B)."""
     import torch
 
     esize = torch.empty((), dtype=dtype).element_size()

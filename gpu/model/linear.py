@@ -3,9 +3,8 @@
 ``F.linear`` on CPU hands each call to MKL's sgemm, which repacks the weight matrix into its
 blocked layout on every call. At decode shapes (tens of rows against a 32k x 512 LM head) that
 repacking costs as much as the multiply. oneDNN can take the weight prepacked once at load
-(the same thing ``torch.compile``'s CPU freezing pass does); measured on the bench model's shapes
-with 2 threads it is 1.2-2.3x faster than ``F.linear`` at 1-2048 rows (the LM head at 64 rows:
-24 ms -> 11 ms).
+(the same thing ``torch.compile``'s CPU freezing pass does), faster than ``F.linear`` at every
+row count (docs/benchmarks/README.md, the table of what changed the executor's speed).
 
 oneDNN builds (and caches) a kernel per input shape, and a process that sees hundreds of distinct
 row counts grows by gigabytes (measured: 1.6 GB after row counts 1..500 against one 2816 x 512
@@ -20,17 +19,13 @@ Decode row counts (1..64 rows) in float32 run the kernel library's own linear in
 for it: at those counts every weight comes from memory once per step for a few dozen
 multiply-adds, and oneDNN's kernel stalls on those reads (a step costs about the memory time plus
 the arithmetic time); the library's streams the copy and prefetches ahead while it computes.
-Measured on the 0.39B model's layer shapes with the 24 layers' weights cycled (so they come from
-DRAM, as in a decode step), 2 threads: 1.2-1.6x oneDNN's packed kernel at 1-32 rows, 1.0-1.2x at
-48-64. The copy costs the weights' size again (1.4 GB on that model, which runs prefill on the
+The copy costs the weights' size again (1.4 GB on the 0.39B model, which runs prefill on the
 packed copy); ``MINIRT_ROWS_LINEAR=0`` does without it. In bfloat16 (``--dtype bfloat16``'s MLP)
-the same layout holds pairs along k for avx512_bf16's pair dot product, where the CPU has it:
-the 0.39B model's 24 MLPs at 1/8/16/32 rows 30.5/38.7/40.1/62.3 ms through oneDNN -> 23.3/30.7/
-32.2/52.4 ms (``MINIRT_ROWS_BF16=0`` turns only this one off). Where the CPU has AMX
-(:func:`amx_bf16`) oneDNN's bf16 kernel runs on its tiles and the row kernel wins only at the
-fewest rows: on a 2-vCPU Xeon with AMX, q05's 24 MLPs (weights cycled) at 1/2/4/6/8/16/64 rows
-58.2/57.6/55.4/55.1/61.1/65.1/92.3 ms through oneDNN, 43.7/42.6/49.6/65.3/84.7/112.3/415 ms
-through the row kernel, so bf16 linears take it there up to :data:`AMX_BF16_ROWS` rows only.
+the same layout holds pairs along k for avx512_bf16's pair dot product, where the CPU has it
+(``MINIRT_ROWS_BF16=0`` turns only this one off). Where the CPU has AMX (:func:`amx_bf16`)
+oneDNN's bf16 kernel runs on its tiles and the row kernel wins only at the fewest rows, so bf16
+linears take it there up to :data:`AMX_BF16_ROWS` rows only. Each row range's gain over oneDNN,
+per CPU: docs/benchmarks/cpu-levers/README.md.
 
 The result differs from ``F.linear`` by float rounding only (a different summation order;
 ~1e-6 relative in float32), which the load-time self-check bounds. CUDA, other dtypes, a torch
@@ -50,14 +45,8 @@ from gpu.model import cpu_ops
 # The row count oneDNN is told to expect when packing; any row count works with the result.
 _PACK_HINT = 64
 TILE_ROWS = 256
-# One or two rows (a lone decode) in float32 on an Intel CPU: MKL's gemv through ``F.linear``
-# reads the weight faster than oneDNN's packed kernel (measured single-threaded on a Xeon, LM
-# head 32000 x 512 at 1 row: 4.2-4.7 ms vs 5.5-5.8 ms; 2816 x 512: 0.21 vs 0.31-0.33 ms); from
-# 8 rows on, packed wins. In bfloat16 the packed kernel wins at every row count. Used where the
-# plain weight is resident anyway (the LM head tied to the embedding), or when asked to keep
-# it; then it also beats the decode-row copy (see the module doc) on weights that sit in cache
-# (the bench model's layers at 1 row: 29-180 vs 40-203 us a call), and the copy takes 3 rows
-# and more. Not on other CPUs (:func:`mkl_gemv_fast`).
+# 1-2 float32 rows on Intel (:func:`mkl_gemv_fast`) go through MKL's gemv where the plain weight
+# is kept: it reads it faster than either packed copy (docs/benchmarks/cpu-levers/README.md).
 GEMV_ROWS = 2
 _SUPPORTED = (torch.float32, torch.bfloat16)
 # bf16 rows the row kernel takes where oneDNN has AMX tiles (see the module doc)
@@ -74,10 +63,8 @@ def bucket_rows(m: int) -> int:
 @functools.cache
 def mkl_gemv_fast() -> bool:
     """Whether MKL's gemv is the fast one-or-two-row path (:data:`GEMV_ROWS`): on Intel CPUs
-    only. MKL picks its code path by CPU vendor, and on an AMD Zen 5 (AVX-512) it runs 2-4x
-    slower than the decode-row kernel or oneDNN (2 threads, weights from DRAM: the bench model's
-    LM head at 1 row 5.2 ms vs 1.3-1.7 ms, its MLP's gate/up 475 vs 213-232 us), which made a
-    lone decode step 1.6x vLLM's there."""
+    only: MKL picks its code path by CPU vendor, and on AMD it is slower than the decode-row
+    kernel or oneDNN (docs/benchmarks/cpu-levers/README.md)."""
     return cpu_field("vendor_id") == "GenuineIntel"
 
 
@@ -154,8 +141,7 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         if m <= TILE_ROWS:
             return self._tile(x)
-        # into a preallocated output: torch.cat allocating its own is 6x slower here (24 MB of
-        # prefill qkv rows: 8.3 vs 1.3 ms)
+        # one preallocated output, 6x faster than cat's own (docs/benchmarks/cpu-levers/README.md)
         out = x.new_empty(m, self.out_features)
         tiles = [self._tile(x[i : i + TILE_ROWS]) for i in range(0, m, TILE_ROWS)]
         return torch.cat(tiles, out=out)

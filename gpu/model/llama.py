@@ -70,12 +70,9 @@ def rope(x: torch.Tensor, rot: Rotary) -> torch.Tensor:
     return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
 
 
-# Layers keep their plain float32 weights beside the packed ones (for lone decodes, see
-# gpu.model.linear.GEMV_ROWS; on Intel CPUs only) when those copies take at most this much memory:
-# the bench model's 90 MB cut a batch-1 decode step from 18.0 to 13.8 ms (1 thread, thread
-# time, min of 40, interleaved with the packed-only build); a 0.4B model's 1.4 GB would cost
-# more memory than it is worth (its weights come from DRAM, where the decode-row copy of
-# gpu.model.linear reads as fast).
+# Plain float32 layer weights kept for lone decodes (gpu.model.linear.GEMV_ROWS) up to this size:
+# bigger ones stream from DRAM, where the decode-row copy reads as fast
+# (docs/benchmarks/cpu-levers/README.md)
 PLAIN_COPY_BUDGET = 512 << 20
 
 
@@ -146,7 +143,7 @@ class LlamaFamilyModel:
         self.attn_dtype, self.mlp_dtype = self.embed.dtype, dtype
         # bfloat16: the residual stream, the norms and the LM head stay float32 too: bfloat16's
         # 8-bit mantissa in the residual sums and the logits is most of the drift from float32
-        # (docs/benchmarks/cpu-levers.md)
+        # (docs/benchmarks/cpu-levers/README.md)
         self.mixed = dtype == torch.bfloat16
         norm_dt = torch.float32 if self.mixed else dtype
         self.norm = weights.pop("model.norm.weight").to(device=device, dtype=norm_dt)

@@ -52,9 +52,8 @@ HOST = torch.device("cpu")
 def tune_process(device: torch.device) -> None:
     """Process-wide settings for an executor on ``device``: on cpu the allocator's
     (gpu.model.cpu_tuning); on cuda cuDNN's SDPA off, since it builds an execution plan per new shape
-    on the host: with prefill chunks of every length that took 91% of a run's time on an H200
-    (7.3 ms of CPU per call for 6 us of GPU work; docs/benchmarks/cuda). Flash and
-    memory-efficient attention build none."""
+    on the host, which took most of a run's time with prefill chunks of every length
+    (docs/benchmarks/cuda/README.md). Flash and memory-efficient attention build none."""
     if device.type == "cpu":
         from gpu.model import cpu_tuning
 
@@ -246,7 +245,7 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     bfloat16 on CPU keeps the attention block in float32 and runs only the MLP (87% of a Qwen2
     layer's weights) in bfloat16: teacher forced on the 0.39B model, the attention's bfloat16
     roundings were a third of the drift from float32 (top-1 agreement 96.7% -> 97.7%,
-    docs/benchmarks/cpu-levers.md) for ~12% of the weight bytes. Elsewhere, ``dtype`` itself."""
+    docs/benchmarks/cpu-levers/README.md) for ~12% of the weight bytes. Elsewhere, ``dtype`` itself."""
     if dtype == torch.bfloat16 and device.type == "cpu":
         return torch.float32
     return dtype

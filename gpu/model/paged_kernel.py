@@ -7,10 +7,8 @@ passes over the context. This kernel reads each block where it lies, once per pa
 and no padding: per (request, KV head) it scores the group's query heads against the context,
 takes the softmax and sums the values, accumulating in float32 (K/V in float32 or bfloat16).
 With AVX-512 and head_dim 16/32/64/128 it runs an intrinsics body (16 positions scored at once,
-a vector exp, value accumulators in registers, no integer division per position); elsewhere a
-portable body. Measured here (2 threads, one layer, bench model shapes, batch 64): 8 prompts of
-768 shared + 64 own tokens, 3.8-4.1 ms (portable) -> 0.92-0.96 ms; contexts of 180, unshared,
-0.9 -> 0.4 ms (memory-bound there).
+a vector exp, value accumulators in registers, no integer division per position), 2-4x the
+portable body's speed (docs/benchmarks/cpu-levers/README.md); elsewhere the portable body.
 
 It runs on torch's own OpenMP runtime, so it shares torch's thread pool and thread count.
 Results differ from the tensor path by float rounding only (a different summation order). CUDA

@@ -1,11 +1,10 @@
 """What a step's rows cost: the forward-time table that prices draft rows.
 
 A forward's time grows little with its rows while the weights' reads dominate (a memory-bound
-decode) and linearly once the arithmetic does, and on a CPU the curve is not a line: on
-SmolLM2-135M in float32, 2 Zen 4 cores, 1 to 4 rows take 13.6, 14.0, 15.6, 15.7 ms, 5 rows
-17.6 ms (the linears turn compute-bound there), and 5 to 10 rows stay within 17.6-18.3 ms. So
-once a step pays for a fifth row, five more are nearly free, and a bound on a step's rows (or a
-line fitted to the times) prices drafts wrongly on one side or the other.
+decode) and linearly once the arithmetic does, and on a CPU the curve is not a line: once a
+step pays for the row where the linears turn compute-bound, several more are nearly free
+(docs/spec-decode.md), so a bound on a step's rows (or a line fitted to the times) prices
+drafts wrongly on one side or the other.
 
 The executor therefore times, once at start, the forward of every row count from 1 to 16 and
 of 20, 24, 32, 48 and 64 rows (all rows with logits, as verification needs), in interleaved
@@ -17,12 +16,11 @@ every step of up to ``N`` rows alike and none above (drafts then fill up to ``N`
 
 The start's forwards run alone; a served step does not: its rows are other requests' at other
 contexts, and on a 2-core machine the HTTP server and its clients wake during it and take a
-core from one of the forward's two threads. Measured through ``vllm bench``-like serving of
-16 streams on SmolLM2 (2 Zen 4 cores): 16 decode rows took 23.6 ms against 18 at start, 28 rows
-40.6 ms against 27, so a draft row cost twice what the table said. So each step's forward time
-corrects the table where it ran (:meth:`StepCost.observe`, steps without prompt rows): per band
-of rows between two rungs a running ratio of what the steps took to what the table says,
-applied to the rows of that band; a band no step has run in yet takes the nearest band's.
+core from one of the forward's two threads, so served rows cost up to twice what the table
+says (docs/spec-decode.md). So each step's forward time corrects the table where it ran
+(:meth:`StepCost.observe`, steps without prompt rows): per band of rows between two rungs a
+running ratio of what the steps took to what the table says, applied to the rows of that band;
+a band no step has run in yet takes the nearest band's.
 """
 
 from __future__ import annotations

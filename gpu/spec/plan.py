@@ -39,10 +39,8 @@ from typing import TYPE_CHECKING
 
 from gpu.spec.config import SpecConfig
 
-# what draft rows' time is taken for, in times the table's (``gpu/spec/cost.py``): the table
-# is timed on forwards alone, and served steps' rows cost up to twice that until the table's
-# correction has seen them; at a large batch a draft's gain is a few percent at best, and
-# priced at the table's they lost 4-7% (measured: batch 32, SmolLM2, 89% of drafts kept)
+# draft rows' price in times the table's (``gpu/spec/cost.py``, timed on forwards alone): at the
+# table's price large batches lost to their drafts (docs/benchmarks/spec-decode/README.md)
 DRAFT_PRICE = 1.5
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from gpu.requests import RequestState, TokenOutput
 
 if TYPE_CHECKING:
-    from gpu.model_runner import ModelRunner
+    from gpu.request_table import RequestTable
+    from gpu.structured.engine import StructuredEngine
 
 _NONE: list[int] = []  # no drafts (shared, never mutated)
 
@@ -77,7 +78,9 @@ def build(
 
 
 def emit(
-    ex: ModelRunner,
+    requests: RequestTable,
+    structured: StructuredEngine,
+    max_model_len: int,
     req: RequestState,
     tok: int,
     lp: float | None,
@@ -86,7 +89,7 @@ def emit(
     failed: list[tuple[str, str, str]],
 ) -> float:
     """Append ``tok`` to ``req``'s outputs and check its ends (grammar, stop ids, length): an
-    ended request leaves ``ex.requests``, one that fails goes to ``failed`` without output.
+    ended request leaves ``requests``, one that fails goes to ``failed`` without output.
     Returns the grammar's seconds."""
     first = not req.out
     req.out.append(tok)
@@ -98,22 +101,22 @@ def emit(
     finish, mask_s = None, 0.0
     if req.grammar is not None:
         tm = time.perf_counter()
-        finish, error = ex.structured.finish(req, tok)
+        finish, error = structured.finish(req, tok)
         mask_s = time.perf_counter() - tm
         if error is not None:
-            ex.requests.abort(req.rid)
+            requests.abort(req.rid)
             failed.append((req.rid, "structured", error))
             return mask_s
     elif tok in req.stop:
         finish = "stop"
     if finish is None and (
-        n_out >= req.params.max_tokens or len(req.prompt) + len(req.out) >= ex.max_model_len
+        n_out >= req.params.max_tokens or len(req.prompt) + len(req.out) >= max_model_len
     ):
         finish = "length"
     if finish is not None:
-        ex.requests.abort(req.rid)
+        requests.abort(req.rid)
     elif first:
-        ex.requests.decodes(req)
+        requests.decodes(req)
     n_prompt = len(req.prompt) - req.prior
     outputs.append(TokenOutput(req.rid, tok, lp, top, finish, first, n_prompt, n_out))
     return mask_s

@@ -15,16 +15,15 @@ is left, as stall-free batching does.
 
 The model (``t = c0 + c_prefill * prefill_tokens + c_decode * decode_rows + c_ctx * decode_ctx``,
 draft rows counted as decode rows) starts from two forwards timed at start (one row; 256 rows)
-and is refitted every ``REFIT_EVERY`` steps on the last ``WINDOW`` steps, by the replay's robust
-non-negative least squares (``minirt.replay.stepmodel``); a cost the window cannot tell (no
+and is refitted every ``REFIT_EVERY`` steps on the last ``WINDOW`` steps, by the robust
+non-negative least squares (``actors/shared/stepfit.py``); a cost the window cannot tell (no
 prefill in it) keeps the start's value, and the fitted per-token costs stay within
 ``[1/2, 4]`` of the start's (a busy machine slows steps; it does not make them free). The target,
 unless given (``--step-target-ms``), is what a step prefilling ``AUTO_TOKENS`` prompt tokens
-alone costs by the start's model (about vLLM's chunk on CPU; measured against 150, 300 and 600 ms
-targets and 20x a one-row forward on SmolLM2, docs/benchmarks/openai-smollm2: smaller steps lose
-throughput to the per-step cost and to the decode rows that ride in every step, and bring the
-median first token no earlier, which the prefill rate bounds). Pure: the executor and the replay
-drive it.
+alone costs by the start's model (about vLLM's chunk on CPU; smaller steps lose throughput to the
+per-step cost and to the decode rows that ride in every step, and bring the median first token no
+earlier, which the prefill rate bounds: docs/benchmarks/openai-smollm2/step-target/README.md).
+Pure: the executor and the replay drive it.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minirt.replay.stepmodel import _robust
+from actors.shared.stepfit import robust_fit
 
 MIN_PREFILL = 64
 AUTO_TOKENS = 1024
@@ -127,7 +126,7 @@ class AdaptiveBudget:
         seen = x.max(axis=0) > x.min(axis=0)  # columns the window varies
         cols = [i for i in range(3) if seen[i]]
         a = np.column_stack([np.ones(len(y)), x[:, cols]])
-        sol, _ = _robust(a, y)
+        sol, _ = robust_fit(a, y)
         got = dict(zip(cols, sol[1:], strict=True))
         s = self.seed
         lo, hi = BOUNDS

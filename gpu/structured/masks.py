@@ -92,13 +92,8 @@ class Masker:
         (the drafts must be ones it accepts: ``gpu/spec/plan.py`` cuts them so). Rows with
         ``no_eos`` (one flag per row) lose EOS unless it is all the grammar allows."""
         n = len(no_eos)
-        # No parallel torch op here: this runs in the mask thread, and an OpenMP region started
-        # from a second thread gives the process a second thread team, after which libgomp
-        # counts more threads than cores and its workers sleep at every barrier instead of
-        # spinning: the forward's took 21 -> 31 ms at batch 16 on 2 cores from then on
-        # (measured: the first speculating grammar request, whose draft rows' mask fill was
-        # large enough to go parallel). So the buffer is allocated empty (every row is written
-        # below) and filled through numpy.
+        # No parallel torch op in the mask thread (a second OpenMP team slows every later forward:
+        # docs/benchmarks/spec-decode/README.md): allocated empty, every row filled through numpy.
         if self._buf.shape[0] < n:
             self._buf = torch.empty((max(n, 2 * self._buf.shape[0]), self.words), dtype=torch.int32)
         mask = self._buf[:n]

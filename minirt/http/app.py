@@ -8,16 +8,11 @@ by the pydantic models of ``schemas``; every refusal is an ``ApiError`` in OpenA
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -27,10 +22,8 @@ from starlette.routing import BaseRoute, Route
 from actors.runtime.liveness import host_id, process_alive
 from actors.runtime.ping import ping
 from messages.common import Pong
-from minirt.http.errors import ApiError, from_validation, invalid
+from minirt.http.errors import ApiError, invalid
 from minirt.http.gate import Gate
-from minirt.http.metrics import HttpMetrics
-from minirt.http.model import ModelInfo
 from minirt.http.openai.convert import chat_messages, plan_chat, plan_completion
 from minirt.http.openai.respond import JSON, PlanResponse, error_response
 from minirt.http.openai.schemas import (
@@ -41,96 +34,25 @@ from minirt.http.openai.schemas import (
 )
 from minirt.http.responses.routes import responses_routes
 from minirt.http.responses.store import ResponseStore
-from minirt.http.upstream import Upstream
+from minirt.http.server import Server, in_flight, read_body, unique_id
 
-MAX_BODY = 32 * 1024 * 1024
 HEALTH_TIMEOUT_S = 2.0  # an actor busy under load may take a moment to answer
 ACTORS = ("tokenizer", "scheduler", "kv_manager", "executor")
-B = TypeVar("B", bound=BaseModel)
-
-
-@dataclass
-class Server:
-    """What the handlers share: the model, the front-door connection, the actors' endpoints."""
-
-    model: ModelInfo
-    upstream: Upstream
-    endpoints: dict[str, str]
-    log: Any
-    curve: Any = None
-    api_key: str = ""
-    runtime_metrics: Callable[[], Awaitable[bytes]] | None = None
-    metrics: HttpMetrics = field(default_factory=HttpMetrics)
-    created: int = field(default_factory=lambda: int(time.time()))
-    active: set[str] = field(default_factory=set)
-    run_dir: str = ""  # the event log the dashboard shows (none: no dashboard)
-    body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
-    responses_max_count: int = 1000  # stored /v1/responses (under run_dir/responses) kept
-    responses_max_bytes: int = 64 * 1024 * 1024
-
-
-async def _body(request: Request, model: type[B], timeout_s: float) -> B:
-    """The request's JSON body as ``model``; 413 as soon as it is known to be over ``MAX_BODY``
-    (its ``Content-Length``, else the bytes read so far): never buffered whole; 408 when it
-    has not all arrived within ``timeout_s`` (a client trickling bytes holds nothing long)."""
-    too_big = ApiError(413, f"request body over {MAX_BODY} bytes")
-    try:
-        declared = int(request.headers.get("content-length", "0"))
-    except ValueError:
-        raise invalid("content-length", "the Content-Length header is not a number") from None
-    if declared > MAX_BODY:
-        raise too_big
-    chunks: list[bytes] = []
-    size = 0
-    with trio.move_on_after(timeout_s) as late:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise too_big
-            chunks.append(chunk)
-    if late.cancelled_caught:
-        raise ApiError(408, f"request body not received within {timeout_s:g} s", code="timeout")
-    raw = b"".join(chunks)
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as e:
-        raise from_validation(e) from None
-
-
-def _unique_id(server: Server, rid: str) -> str:
-    """The front-door id: the request id, unless another request in flight here uses it."""
-    return rid if rid not in server.active else f"{rid}-{uuid.uuid4().hex[:8]}"
-
-
-def _in_flight(server: Server, base: str, response: Any) -> Any:
-    """``response`` (an ASGI app) with ``base`` in the server's front-door ids in flight while
-    it runs (``_unique_id``)."""
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        server.active.add(base)
-        try:
-            await response(scope, receive, send)
-        finally:
-            server.active.discard(base)
-
-    return app
 
 
 def build_app(server: Server) -> Gate:
     async def run_plan(request: Request, kind: str) -> Any:
         rid = request.state.request_id
-        base = _unique_id(server, rid)
+        base = unique_id(server, rid)
         if kind == "chat":
-            chat = await _body(request, ChatCompletionRequest, server.body_timeout_s)
+            chat = await read_body(request, ChatCompletionRequest, server.body_timeout_s)
             plan = plan_chat(chat, server.model, base)
         else:
-            comp = await _body(request, CompletionRequest, server.body_timeout_s)
+            comp = await read_body(request, CompletionRequest, server.body_timeout_s)
             plan = plan_completion(comp, server.model, base)
         info = request.state.info
         info.update(kind=kind, stream=plan.stream, n=len(plan.choices))
-        return _in_flight(
-            server, base, PlanResponse(plan, server.model, server.upstream, rid, info)
-        )
+        return in_flight(server, base, PlanResponse(plan, server.model, server.upstream, rid, info))
 
     async def completions(request: Request) -> Any:
         return await run_plan(request, "completion")
@@ -212,7 +134,7 @@ def build_app(server: Server) -> Gate:
         return JSON({"served_model_name": m.served_name, "max_model_len": m.max_model_len})
 
     async def tokenize(request: Request) -> JSON:
-        req = await _body(request, TokenizeRequest, server.body_timeout_s)
+        req = await read_body(request, TokenizeRequest, server.body_timeout_s)
         m = server.model
         m.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -231,7 +153,7 @@ def build_app(server: Server) -> Gate:
         return JSON({"count": len(ids), "max_model_len": m.max_model_len, "tokens": ids})
 
     async def detokenize(request: Request) -> JSON:
-        req = await _body(request, DetokenizeRequest, server.body_timeout_s)
+        req = await read_body(request, DetokenizeRequest, server.body_timeout_s)
         m = server.model
         m.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < m.vocab_size]
@@ -276,7 +198,7 @@ def build_app(server: Server) -> Gate:
             server.responses_max_bytes,
             server.log,
         )
-    routes += responses_routes(server, store, _body, _unique_id, _in_flight)
+    routes += responses_routes(server, store)
     own_auth: tuple[str, ...] = ()
     if server.run_dir:
         try:

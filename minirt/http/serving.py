@@ -61,9 +61,8 @@ class WriteThrough(TCPServer):
     else is being written: a non-blocking ``write`` of the whole buffer, with no trip through
     trio's scheduler. What the kernel does not take (a full send buffer: a slow reader), a
     failed write (the peer gone), and any write while an earlier one waits for the socket, go
-    hypercorn's way (its lock keeps the order; its errors close the connection). Measured on
-    hypercorn's trio worker streaming 64 SSE streams, one chunk a stream every 20 ms: 85-91 us
-    of server CPU per chunk its way, 48-58 us this way."""
+    hypercorn's way (its lock keeps the order; its errors close the connection). It takes
+    ~40% off the server's CPU per streamed chunk (docs/benchmarks/openai/http-cpu/README.md)."""
 
     async def protocol_send(self, event: Event) -> None:
         stream = self.stream

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from actors.runtime.events import get_logger
-from minirt.launch.cluster import Managed, start_router
+from minirt.launch.processes import Managed, start_router
 from minirt.launch.replicas import ClusterSpec
 from minirt.launch.router import add_worker, find_router, remove_worker
 

@@ -13,13 +13,8 @@ import trio
 from actors.runtime.config import ACTORS, RuntimeConfig
 from actors.runtime.events import configure, get_logger
 
-# ``--actor-nice N`` (``MINIRT_ACTOR_NICE``): the niceness of every actor but the executor. The
-# executor never waits on them (it asks for blocks ahead of need, see gpu/actor.py), so their work
-# is off its critical path; at equal priority their CPU time takes turns with the executor's two
-# threads on a 2-core machine. At nice 10 the kernel gives a competing executor thread ~10x their
-# share, and they still run whenever the executor's threads sleep between steps. (It used to
-# expose a race in the front door, a client's cancel handled as a disconnect when the front door
-# ran late: tokenizer_svc/clients.py now reads what a client sent before it is settled as gone.)
+# ``--actor-nice N``: these actors are off the executor's critical path, so may yield it the cores;
+# off by default: niced, first tokens come later (docs/benchmarks/openai/actor-nice/README.md)
 NICED_ACTORS = ("tokenizer", "scheduler", "kv_manager", "http")
 
 

@@ -1,5 +1,6 @@
-"""``minirt up``: start the four actors as child processes, wait until each answers a ping, print
-``minirt ready <endpoint>``, restart an actor that dies, and stop them all on SIGINT/SIGTERM."""
+"""``minirt up``: start the four actors and the HTTP server as child processes, wait until each
+answers a ping, print ``minirt ready <endpoint>`` and then where the HTTP API and the dashboard
+are, restart an actor that dies, and stop them all on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -220,11 +221,21 @@ class Supervisor:
         self.log.info("supervisor.stopped")
 
 
+def served_at(cfg: RuntimeConfig) -> str:
+    """Where a person reaches the runtime: the line ``minirt up`` prints after ``minirt ready``."""
+    if not cfg.http.port:
+        return "minirt: HTTP off (--http-port 0); clients use the ZMQ endpoint above"
+    host = cfg.http.host
+    base = f"http://{f'[{host}]' if ':' in host else host}:{cfg.http.port}"
+    return f"minirt: OpenAI API {base}/v1, dashboard {base}/dashboard"
+
+
 async def run_up(cfg: RuntimeConfig, config_path: Path) -> None:
     sup = Supervisor(cfg, config_path)
     async with trio.open_nursery() as nursery:
         endpoint = await nursery.start(sup.run)
         print(f"minirt ready {endpoint}", flush=True)
+        print(served_at(cfg), flush=True)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 nursery.cancel_scope.cancel()

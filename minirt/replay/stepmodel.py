@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from actors.shared.stepfit import robust_fit
+
 FEATURES = (
     "prefill_tokens",
     "decode_tokens",
@@ -118,48 +120,6 @@ class StepModel:
             raise ValueError(f"{p}: not a step model ({e})") from None
 
 
-def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
-    """argmin ||a x - b|| subject to x >= 0, by the Lawson-Hanson active-set method (columns
-    are scaled to unit norm first, for conditioning)."""
-    norms = np.linalg.norm(a, axis=0)
-    norms[norms == 0] = 1.0
-    a = a / norms
-    n = a.shape[1]
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    for _ in range(3 * n + 10):
-        grad = a.T @ (b - a @ x)
-        if passive.all() or grad[~passive].max(initial=-np.inf) <= tol:
-            break
-        passive[int(np.argmax(np.where(passive, -np.inf, grad)))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > tol).all():
-                x = z
-                break
-            bad = passive & (z <= tol)
-            alpha = np.min(x[bad] / np.maximum(x[bad] - z[bad], 1e-300))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-    return x / norms
-
-
-def _robust(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Non-negative least squares, reweighted (Huber) on *relative* residuals so a step that
-    took much longer than steps of its shape (a kernel built, the machine busy) counts less,
-    whatever its size. Returns the solution and the final relative residuals."""
-    w = np.ones(len(y))
-    for _ in range(10):
-        sw = np.sqrt(w)
-        sol = nnls(a * sw[:, None], y * sw)
-        fitted = np.maximum(a @ sol, 1e-9)
-        rel = (y - fitted) / fitted
-        scale = 1.4826 * float(np.median(np.abs(rel - np.median(rel)))) + 1e-6
-        w = np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(rel), 1e-12))
-    return sol, rel / scale
-
-
 def fit_runs(runs: list[list[dict[str, Any]]], source: str = "") -> StepModel:
     """One model fitted on the pooled steps of several runs of one model on one machine."""
     return fit([e for steps in runs for e in steps], source)
@@ -177,7 +137,7 @@ def fit(steps: list[dict[str, Any]], source: str = "") -> StepModel:
         if not any(name in e for e in rows):
             notes.append(f"the log's step events have no {name}: fitted without it")
     a = np.column_stack([np.ones(len(y)), x])
-    sol, z = _robust(a, y)
+    sol, z = robust_fit(a, y)
     if sol[2] == 0 and x[:, 1].mean() > 0:
         notes.append(
             "the fit finds no per-decode cost: this log's steps cannot tell it from the per-step "

@@ -222,7 +222,7 @@ def test_loading_the_paged_kernel_keeps_subnormal_floats() -> None:
     import sys
 
     code = (
-        "import sys, torch; from gpu import paged_kernel\n"
+        "import sys, torch; from gpu.model import paged_kernel\n"
         "lib = paged_kernel.kernel()\n"
         "tiny = sys.float_info.min\n"
         "t = torch.tensor([1e-39], dtype=torch.float32) * 1.0\n"

@@ -15,7 +15,6 @@ import pytest
 from gpu.core import ExecutorCore
 from gpu.model_runner import ModelRunner
 from gpu.publish import step_messages
-from gpu.recovery import Flight
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
 from gpu.spec import cost
@@ -23,6 +22,7 @@ from gpu.spec.config import SpecConfig, parse
 from gpu.spec.ngram import NgramTokens, propose
 from gpu.spec.plan import plan_drafts
 from gpu.spec.verify import SpecStats, accepted
+from gpu.state import Flight
 from gpu.step.plan import StepBudget
 from messages.common import SamplingParams
 from messages.kv import Grow

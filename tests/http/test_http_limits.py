@@ -15,8 +15,9 @@ import trio.testing
 
 from actors.runtime.config import HttpConfig
 from actors.runtime.events import get_logger
-from minirt.http.app import Server, build_app
+from minirt.http.app import build_app
 from minirt.http.model import ModelInfo
+from minirt.http.server import Server
 from minirt.http.serving import Connections, serve
 from minirt.http.upstream import Upstream
 

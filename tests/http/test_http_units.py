@@ -10,11 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from actors.runtime.events import configure
-from minirt.http.app import Server, build_app
+from minirt.http.app import build_app
 from minirt.http.errors import ApiError, from_upstream, from_validation, param_of
 from minirt.http.model import ModelInfo
 from minirt.http.openai.convert import plan_chat, plan_completion
 from minirt.http.openai.schemas import ChatCompletionRequest, CompletionRequest
+from minirt.http.server import Server
 from minirt.http.upstream import Upstream
 from tokenizer_svc.requests import Invalid, Prompts, check_request
 

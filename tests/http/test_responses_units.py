@@ -16,7 +16,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from actors.runtime.events import get_logger
-from minirt.http.app import Server, build_app
+from minirt.http.app import build_app
 from minirt.http.errors import ApiError
 from minirt.http.model import ModelInfo
 from minirt.http.responses.convert import turn_of
@@ -24,6 +24,7 @@ from minirt.http.responses.schema import ResponsesRequest
 from minirt.http.responses.shape import Order, Shape, new_id, output_items
 from minirt.http.responses.store import ResponseStore
 from minirt.http.responses.stream import EventWriter
+from minirt.http.server import Server
 from minirt.http.upstream import Upstream
 from tokenizer_svc.agent.parse import OutputParser
 

@@ -1,4 +1,4 @@
-"""`minirt up` as a user runs it: ready line, generate from another process, Ctrl-C cleans up."""
+"""`minirt up` as a user runs it: ready line, where it serves, generate from another process, Ctrl-C cleans up."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
+from tests.support.http_server import free_port
 from tests.support.runtime import start_runtime
 
 
@@ -76,3 +78,18 @@ def test_generate_events_and_ctrl_c_leaves_no_process(tiny_model, tmp_path):
         os.killpg(rt.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         assert rt.proc.wait(timeout=20) == 0
         assert not any(_alive(p) for p in pids), "an actor outlived minirt up"
+
+
+def test_up_prints_where_the_http_api_and_the_dashboard_are(tiny_model, tmp_path):
+    port = free_port()
+    with start_runtime(tiny_model, tmp_path / "rt", "--http-port", str(port)) as rt:
+        assert rt.proc.stdout is not None
+        line = rt.proc.stdout.readline().strip()
+        base = f"http://127.0.0.1:{port}"
+        assert line == f"minirt: OpenAI API {base}/v1, dashboard {base}/dashboard"
+        for url in (f"{base}/v1/models", f"{base}/dashboard"):  # both answer where it says
+            with urllib.request.urlopen(url, timeout=30) as r:
+                assert r.status == 200
+    with start_runtime(tiny_model, tmp_path / "off") as rt:  # --http-port 0
+        assert rt.proc.stdout is not None
+        assert "HTTP off" in rt.proc.stdout.readline()

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import structlog
 
-from actors.runtime.config import KVConfig, SchedulerConfig
+from actors.runtime.config import QUEUE_POLICIES, KVConfig, SchedulerConfig
 from actors.scheduler.core import SchedulerCore
-from actors.scheduler.queue import LPMQueue, PriorityQueue, SJFQueue, WaitingQueue, make_queue
+from actors.scheduler.queue import (
+    POLICIES,
+    LPMQueue,
+    PriorityQueue,
+    SJFQueue,
+    WaitingQueue,
+    make_queue,
+)
 from actors.scheduler.state import SchedRequest
 from messages import executor as xm
 from messages import kv as km
@@ -199,3 +206,9 @@ def test_a_held_request_that_is_aborted_is_not_readmitted():
     core.take_outbox()
     core.prefill_done(PrefillDone(request_id="a", attempt=1))
     assert not [m for _, m in core.take_outbox() if isinstance(m, km.Admit)]
+
+
+def test_every_policy_the_config_offers_is_a_queue_and_no_other():
+    assert sorted(POLICIES) == sorted(QUEUE_POLICIES)
+    for name in QUEUE_POLICIES:
+        assert isinstance(make_queue(name), POLICIES[name])

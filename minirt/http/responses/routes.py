@@ -15,8 +15,8 @@ made them.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import trio
 from starlette.requests import Request
@@ -42,10 +42,8 @@ from minirt.http.responses.shape import (
 )
 from minirt.http.responses.store import ResponseStore
 from minirt.http.responses.stream import EventWriter
+from minirt.http.server import Server, in_flight, read_body, unique_id
 from tokenizer_svc.agent.parse import Parsed
-
-if TYPE_CHECKING:
-    from minirt.http.app import Server
 
 Items = AsyncIterator[tuple[int, Any]]  # a response's choices' messages (upstream.choice_messages)
 
@@ -190,13 +188,7 @@ class ResponsesRun(PlanResponse):
         yield b"".join(frames)
 
 
-def responses_routes(
-    server: Server,
-    store: ResponseStore | None,
-    read_body: Callable[[Request, type[ResponsesRequest], float], Awaitable[ResponsesRequest]],
-    unique_id: Callable[[Server, str], str],
-    in_flight: Callable[[Server, str, Any], Any],
-) -> list[BaseRoute]:
+def responses_routes(server: Server, store: ResponseStore | None) -> list[BaseRoute]:
     """The routes of the Responses API; ``store`` None: nothing is stored (no run directory)."""
 
     async def create(request: Request) -> Any:
