@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from actors.kv.manager import KVManager
+from actors.kv.block_manager import BlockManager
 from actors.kv.radix_cache import RadixCache
 from actors.kv.results import Admitted
 
@@ -52,7 +52,7 @@ def run_workload(args: argparse.Namespace) -> dict[str, Any]:
     bs = args.block_size
     shared_len = int(args.prompt_tokens * args.shared_frac)
     prefixes = [rng.choices(range(VOCAB), k=shared_len) for _ in range(args.prefixes)]
-    mgr = KVManager(args.num_blocks, bs, mode=args.mode)
+    mgr = BlockManager(args.num_blocks, bs, mode=args.mode)
     cache = _TimedCache(mgr.pool, bs)
     mgr.cache = cache
     running: deque[tuple[str, list[int]]] = deque()
@@ -101,7 +101,7 @@ def run_workload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _finish_oldest(
-    mgr: KVManager,
+    mgr: BlockManager,
     running: deque[tuple[str, list[int]]],
     rng: random.Random,
     gen_tokens: int,
@@ -118,7 +118,7 @@ def _finish_oldest(
 def time_eviction(leaves: int, evictions: int, block_size: int) -> dict[str, Any]:
     """Fill a cache with ``leaves`` unused one-block leaves, then time ``evictions`` single
     evictions (one ``evict(1)`` call each)."""
-    mgr = KVManager(leaves, block_size)
+    mgr = BlockManager(leaves, block_size)
     pool, cache = mgr.pool, mgr.cache
     blocks = pool.allocate(leaves)
     for i, b in enumerate(blocks):

@@ -1,10 +1,10 @@
 """KV manager library: block pool with ref counts, block-aligned radix prefix cache with LRU
-eviction, admission / growth / preemption decisions (``KVManager``), the reservation and victim
-policies, and the actor's protocol-level core (``actors.kv.core.KVCore``). Synchronous, no I/O,
+eviction, admission / growth / preemption decisions (``BlockManager``), the reservation and victim
+policies, and the actor's protocol-level core (``actors.kv.core.KVManagerCore``). Synchronous, no I/O,
 no torch; ``actors.kv.actor`` is the only module with sockets."""
 
+from actors.kv.block_manager import BlockManager, RequestState
 from actors.kv.block_pool import BlockPool
-from actors.kv.manager import KVManager, RequestState
 from actors.kv.radix_cache import PrefixMatch, RadixCache, RadixNode
 from actors.kv.results import Admitted, Extended, KVStats, Refused, Shortage
 from actors.shared.errors import KVError, KVInvariantError
@@ -13,11 +13,11 @@ from actors.shared.victim import VictimPolicy, pick_victim
 
 __all__ = [
     "Admitted",
+    "BlockManager",
     "BlockPool",
     "Extended",
     "KVError",
     "KVInvariantError",
-    "KVManager",
     "KVStats",
     "PrefixMatch",
     "RadixCache",

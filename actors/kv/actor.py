@@ -1,4 +1,4 @@
-"""The KV-manager actor: sockets and dispatch only. Every decision is ``actors.kv.core.KVCore``'s.
+"""The KV-manager actor: sockets and dispatch only. Every decision is ``actors.kv.core.KVManagerCore``'s.
 
 Admission answers go to the scheduler; decode-time growth is granted straight to the executor,
 and a shortage is reported to the scheduler, which decides preemption. Queries (``kv_match``,
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.kv.core import KVCore
-from actors.kv.manager import KVManager
+from actors.kv.block_manager import BlockManager
+from actors.kv.core import KVManagerCore
 from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from messages import kv as km
@@ -22,11 +22,11 @@ class KVManagerActor(Actor):
 
     def __init__(self, cfg: RuntimeConfig, num_blocks: int) -> None:
         super().__init__(cfg)
-        self.core = KVCore(num_blocks, cfg.kv, self.log)
+        self.core = KVManagerCore(num_blocks, cfg.kv, self.log)
 
     @property
-    def kv(self) -> KVManager:
-        """The block pool and prefix cache (the core's ``KVManager``)."""
+    def kv(self) -> BlockManager:
+        """The block pool and prefix cache (the core's ``BlockManager``)."""
         return self.core.mgr
 
     def on_peer_dead(self, name: str, reason: str) -> None:

@@ -1,4 +1,4 @@
-"""The full invariant check of a KVManager (O(blocks + nodes + heap)); raises KVInvariantError.
+"""The full invariant check of a BlockManager (O(blocks + nodes + heap)); raises KVInvariantError.
 
 Every block is exactly one of: free (ref 0, on the free list), cached only (ref 1, in the
 tree), or used by requests (ref = cached + number of tables holding it). The tree's links,

@@ -1,4 +1,4 @@
-"""KVCore: the KV-manager actor's decisions, as a pure state machine over ``KVManager``.
+"""KVManagerCore: the KV-manager actor's decisions, as a pure state machine over ``BlockManager``.
 
 Inputs are protocol messages; outputs are messages to send (``take_outbox``: ``(peer, msg)``
 pairs), replies returned to the caller, and events logged. No sockets, no clock.
@@ -33,8 +33,8 @@ from typing import Any
 
 import msgspec
 
+from actors.kv.block_manager import BlockManager
 from actors.kv.disk_control import DiskControl
-from actors.kv.manager import KVManager
 from actors.kv.rebuild import Rebuild, Rebuilding
 from actors.kv.results import Extended, Refused, Shortage
 from actors.kv.state import CoreState, Outgoing
@@ -55,7 +55,7 @@ def _numbers(res: Refused | Shortage) -> dict[str, int]:
     }
 
 
-class KVCore:
+class KVManagerCore:
     def __init__(self, num_blocks: int, cfg: KVConfig, log: Any) -> None:
         self.cfg = cfg
         self.log = log
@@ -70,17 +70,19 @@ class KVCore:
             lookahead_blocks=cfg.lookahead_blocks,
         )
 
-    def _new_manager(self, num_blocks: int) -> KVManager:
+    def _new_manager(self, num_blocks: int) -> BlockManager:
         c = self.cfg
-        return KVManager(num_blocks, c.block_size, mode=c.mode, lookahead_blocks=c.lookahead_blocks)
+        return BlockManager(
+            num_blocks, c.block_size, mode=c.mode, lookahead_blocks=c.lookahead_blocks
+        )
 
     # the state the parts share, under the names the core's code reads
     @property
-    def mgr(self) -> KVManager:
+    def mgr(self) -> BlockManager:
         return self.state.mgr
 
     @mgr.setter
-    def mgr(self, mgr: KVManager) -> None:
+    def mgr(self, mgr: BlockManager) -> None:
         self.state.mgr = mgr
 
     @property

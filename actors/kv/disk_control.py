@@ -1,6 +1,6 @@
 """DiskControl: the KV core's decisions about the disk tier, over ``DiskTier`` (the index).
 
-Composed into ``KVCore`` (``core.disk``); inert until the executor announces its tier
+Composed into ``KVManagerCore`` (``core.disk``); inert until the executor announces its tier
 (``kv_disk_tier``). What it decides:
 
 - at admission (``admitted``): the prompt's blocks right after the pool's cached prefix that are
@@ -29,8 +29,8 @@ from typing import Any
 
 import msgspec
 
+from actors.kv.block_manager import BlockManager
 from actors.kv.disk_tier import DiskTier
-from actors.kv.manager import KVManager
 from actors.shared.blockhash import disk_keys, salted
 from messages import executor as xm
 from messages import kv as km
@@ -75,7 +75,7 @@ class DiskControl:
             return 1.0
         return max(0.0, 1.0 - self.load_s / (self.prefill_s * block_size))
 
-    def peek(self, mgr: KVManager, token_ids: Sequence[int], salt: str, pool: int) -> int:
+    def peek(self, mgr: BlockManager, token_ids: Sequence[int], salt: str, pool: int) -> int:
         """Tokens a ``kv_match`` counts for the disk tier after the ``pool`` tokens the pool has
         cached: its consecutive hits, at the share of their compute a load saves. No change."""
         tier = self.tier
@@ -89,12 +89,14 @@ class DiskControl:
         """The executor died: its saves in flight are lost (it announces the tier again)."""
         self.tier = None
 
-    def keys(self, mgr: KVManager, token_ids: Sequence[int], salt: str, blocks: int) -> list[str]:
+    def keys(
+        self, mgr: BlockManager, token_ids: Sequence[int], salt: str, blocks: int
+    ) -> list[str]:
         assert self.tier is not None
         return disk_keys(token_ids, mgr.block_size, self.tier.fingerprint, salt, blocks)
 
     def admitted(
-        self, mgr: KVManager, rid: str, token_ids: Sequence[int], salt: str, cached: int
+        self, mgr: BlockManager, rid: str, token_ids: Sequence[int], salt: str, cached: int
     ) -> tuple[list[int], list[str]]:
         """The blocks of an admitted request to load from disk (its table's, right after the
         ``cached`` tokens the pool had) and their keys."""
@@ -119,7 +121,7 @@ class DiskControl:
         mgr.disk_hit(rid, n * mgr.block_size)
         return mgr.requests[rid].blocks[start : start + n], keys[start : start + n]
 
-    def cached(self, mgr: KVManager, token_ids: Sequence[int], salt: str) -> None:
+    def cached(self, mgr: BlockManager, token_ids: Sequence[int], salt: str) -> None:
         """``token_ids``' full blocks are in the pool's cache: write behind what disk lacks."""
         tier = self.tier
         if tier is None:
@@ -148,7 +150,7 @@ class DiskControl:
         """Whether disk writes in flight pin blocks (they come back when answered)."""
         return self.tier is not None and bool(self.tier.saving)
 
-    def saved(self, mgr: KVManager, msg: km.DiskSaved) -> bool:
+    def saved(self, mgr: BlockManager, msg: km.DiskSaved) -> bool:
         """A save answered: its blocks unpinned. False for a save this manager never made."""
         tier = self.tier
         sv = tier.saved(msg.save_id, msg.failed) if tier is not None else None

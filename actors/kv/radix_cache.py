@@ -112,7 +112,7 @@ class RadixCache:
         """Longest cached prefix, leaving at least one token to compute; touches it (LRU).
 
         Takes no refs: a caller that keeps the blocks must ``pool.share`` them and ``lock`` the
-        deepest node (``KVManager.admit`` does both).
+        deepest node (``BlockManager.admit`` does both).
         """
         path = self.walk(token_ids, self.max_match_blocks(len(token_ids)))
         self.touch(path)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.kv.manager import KVManager
+from actors.kv.block_manager import BlockManager
 from actors.kv.state import CoreState
 from actors.shared.errors import KVError
 from messages import kv as km
@@ -66,7 +66,7 @@ class Rebuilding:
 
 
 class Rebuild:
-    """``KVCore``'s part that rebuilds a restarted KV manager's pool from its peers' reports.
+    """``KVManagerCore``'s part that rebuilds a restarted KV manager's pool from its peers' reports.
 
     It gets the core's state and the three core operations it calls when it is built:
     ``new_manager`` (an empty manager of the core's configuration), ``grow`` (grant growth or
@@ -75,7 +75,7 @@ class Rebuild:
     def __init__(
         self,
         state: CoreState,
-        new_manager: Callable[[int], KVManager],
+        new_manager: Callable[[int], BlockManager],
         grow: Callable[[str, int, int], bool],
         handle: Callable[[Any], Any],
     ) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from actors.kv.manager import KVManager
+from actors.kv.block_manager import BlockManager
 
 Outgoing = tuple[str, msgspec.Struct]
 
@@ -18,7 +18,7 @@ class CoreState:
     """The block manager (replaced whole by a rebuild or a reset), which attempt holds each
     request's blocks, the growth waiting for blocks (oldest first), the outbox, the log."""
 
-    def __init__(self, mgr: KVManager, log: Any) -> None:
+    def __init__(self, mgr: BlockManager, log: Any) -> None:
         self.mgr = mgr
         self.log = log
         self.attempts: dict[str, int] = {}  # request id -> the attempt holding its blocks

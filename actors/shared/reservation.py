@@ -1,7 +1,7 @@
 """How many tokens' worth of blocks a request reserves: the one copy of the reservation policy.
 
 Used by the scheduler (``reserve_tokens`` of every ``kv_admit`` it sends) and by
-``KVManager.reserve_for`` (the library's callers and benchmarks); ``grow_to`` by the executor
+``BlockManager.reserve_for`` (the library's callers and benchmarks); ``grow_to`` by the executor
 (and the replay's simulated one) as a request decodes. Pure arithmetic.
 """
 

@@ -1,7 +1,7 @@
 """Choosing the running request to preempt: the one copy of the victim policy.
 
 Used by the scheduler (a decode-time shortage, and priority preemption) and by
-``KVManager.pick_victim``. Pure.
+``BlockManager.pick_victim``. Pure.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ sockets, no sleeping.
 - ``runlog`` / ``workload``: a run's events (or a ``minirt bench serve`` report) -> the workload,
   its configuration, decisions and outcome.
 - ``stepmodel``: step time as a function of the step's shape (least squares), fit quality.
-- ``loop`` (the virtual clock), ``cores`` (``SchedulerCore`` and ``KVCore`` on it), ``execsim``
+- ``loop`` (the virtual clock), ``cores`` (``SchedulerCore`` and ``KVManagerCore`` on it), ``execsim``
   (``ExecutorCore`` around scripted tokens) and ``frontsim`` (``TokenizerCore`` with the recorded
   arrivals, cancels and stop strings); ``sim`` runs one replay.
 - ``report``: numbers, plots, the replayed event log; ``cli``: ``minirt replay``;

@@ -1,4 +1,4 @@
-"""The scheduler and the KV manager in a replay: their real cores (``SchedulerCore``, ``KVCore``)
+"""The scheduler and the KV manager in a replay: their real cores (``SchedulerCore``, ``KVManagerCore``)
 on the virtual clock, dispatched exactly as ``actors/scheduler/actor.py`` and
 ``actors/kv/actor.py`` do, their outboxes delivered through the loop."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from actors.kv.core import KVCore
+from actors.kv.core import KVManagerCore
 from actors.runtime.config import KVConfig, SchedulerConfig
 from actors.scheduler.base import FLUSH_EVERY
 from actors.scheduler.core import SchedulerCore
@@ -52,7 +52,7 @@ class SimKV:
 
     def __init__(self, loop: Loop, cfg: KVConfig, num_blocks: int, log: Any) -> None:
         self.loop = loop
-        self.core = KVCore(num_blocks, cfg, log)
+        self.core = KVManagerCore(num_blocks, cfg, log)
 
     def free(self) -> int:
         return self.core.mgr.stats().free

@@ -8,7 +8,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from actors.kv.core import KVCore
+from actors.kv.core import KVManagerCore
 from actors.kv.disk_tier import DiskTier
 from actors.runtime.config import KVConfig
 from gpu.disk.store import BadBlock, DiskStore, DiskTierInUse
@@ -20,23 +20,25 @@ BS = 4
 BB = 100  # bytes a block file
 
 
-def _core(num_blocks: int = 32, capacity: int = 10**6) -> KVCore:
-    core = KVCore(num_blocks, KVConfig(block_size=BS, disk_bytes=capacity), structlog.get_logger())
+def _core(num_blocks: int = 32, capacity: int = 10**6) -> KVManagerCore:
+    core = KVManagerCore(
+        num_blocks, KVConfig(block_size=BS, disk_bytes=capacity), structlog.get_logger()
+    )
     core.handle(km.DiskTier(fingerprint="fp", block_bytes=BB, keys=[]))
     return core
 
 
-def _out(core: KVCore, kind: type) -> list:
+def _out(core: KVManagerCore, kind: type) -> list:
     return [m for _, m in core.take_outbox() if isinstance(m, kind)]
 
 
-def _admit(core: KVCore, rid: str, tokens: list[int], salt: str = "") -> AdmitResult:
+def _admit(core: KVManagerCore, rid: str, tokens: list[int], salt: str = "") -> AdmitResult:
     core.handle(km.Admit(rid, 1, tokens, len(tokens) + 4, cache_salt=salt))
     [res] = [m for _, m in core.take_outbox() if isinstance(m, AdmitResult)]
     return res
 
 
-def _on_disk(core: KVCore, prompt: list[int], salt: str = "") -> xm.DiskSave:
+def _on_disk(core: KVManagerCore, prompt: list[int], salt: str = "") -> xm.DiskSave:
     """``prompt`` served and finished, its blocks written behind (the executor's answer given):
     the save the KV manager asked for."""
     _admit(core, "a", prompt, salt)

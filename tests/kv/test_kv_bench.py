@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.kv import Admitted, KVManager
+from actors.kv import Admitted, BlockManager
 from benchmarks.kv import main, time_eviction
 
 
@@ -46,7 +46,7 @@ def test_time_eviction_evicts_requested_count() -> None:
 def test_admit_finish_benchmark(benchmark) -> None:  # type: ignore[no-untyped-def]
     """pytest-benchmark of one admit + finish of a 512-token prompt with a 256-token shared
     prefix on a warm cache (reported, not asserted)."""
-    m = KVManager(4096, 16)
+    m = BlockManager(4096, 16)
     shared = list(range(256))
     counter = iter(range(10**9))
 

@@ -1,11 +1,11 @@
-"""KVCore: the KV-manager actor's decisions driven with protocol messages, no sockets."""
+"""KVManagerCore: the KV-manager actor's decisions driven with protocol messages, no sockets."""
 
 from __future__ import annotations
 
 import structlog
 from structlog.testing import capture_logs
 
-from actors.kv.core import KVCore
+from actors.kv.core import KVManagerCore
 from actors.runtime.config import KVConfig
 from messages import kv as km
 from messages.common import Reconcile
@@ -15,12 +15,12 @@ from messages.scheduler import AdmitResult, BlocksFreed, GrowthShortage, KVHeld,
 BS = 4
 
 
-def make(num_blocks: int = 6, mode: str = "on_demand") -> KVCore:
+def make(num_blocks: int = 6, mode: str = "on_demand") -> KVManagerCore:
     cfg = KVConfig(block_size=BS, mode=mode, lookahead_blocks=0)  # type: ignore[arg-type]
-    return KVCore(num_blocks, cfg, structlog.get_logger())
+    return KVManagerCore(num_blocks, cfg, structlog.get_logger())
 
 
-def admit(core: KVCore, rid: str, tokens: list[int], reserve: int, attempt: int = 1) -> None:
+def admit(core: KVManagerCore, rid: str, tokens: list[int], reserve: int, attempt: int = 1) -> None:
     core.admit(km.Admit(request_id=rid, attempt=attempt, token_ids=tokens, reserve_tokens=reserve))
 
 
@@ -92,7 +92,7 @@ def test_executor_death_empties_the_cache_other_deaths_keep_it():
     assert core.stats(check=True).free == 6
 
 
-def _prefix_shared_pool() -> tuple[KVCore, list[int], list[int]]:
+def _prefix_shared_pool() -> tuple[KVManagerCore, list[int], list[int]]:
     """'a' finished and cached 2 prompt blocks; 'b' and 'c' run on them, 'b' grew one block."""
     core = make(num_blocks=12)
     prompt = list(range(8))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors.kv import Admitted, Extended, KVManager, Refused, Shortage
+from actors.kv import Admitted, BlockManager, Extended, Refused, Shortage
 
 BS = 4
 NUM_BLOCKS = 12
@@ -41,7 +41,7 @@ class Req:
     max_tokens: int
 
 
-def state(m: KVManager) -> tuple[object, ...]:
+def state(m: BlockManager) -> tuple[object, ...]:
     nodes = []
     stack = [m.cache.root]
     while stack:
@@ -55,7 +55,7 @@ def state(m: KVManager) -> tuple[object, ...]:
 class KVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVManager(NUM_BLOCKS, BS)
+        self.m = BlockManager(NUM_BLOCKS, BS)
         self.shadow: dict[int, list[int | None]] = {}
         self.reqs: dict[str, Req] = {}
         self.histories: list[list[int]] = []
@@ -63,7 +63,7 @@ class KVMachine(RuleBasedStateMachine):
 
     @initialize(mode=st.sampled_from(["full", "on_demand"]), lookahead=st.integers(0, 2))
     def setup(self, mode: str, lookahead: int) -> None:
-        self.m = KVManager(NUM_BLOCKS, BS, mode=mode, lookahead_blocks=lookahead)  # type: ignore[arg-type]
+        self.m = BlockManager(NUM_BLOCKS, BS, mode=mode, lookahead_blocks=lookahead)  # type: ignore[arg-type]
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
-"""KVManager: admission, refusal with rollback, growth, preemption, completion, accounting."""
+"""BlockManager: admission, refusal with rollback, growth, preemption, completion, accounting."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.kv import Admitted, Extended, KVError, KVInvariantError, KVManager, Refused, Shortage
+from actors.kv import Admitted, BlockManager, Extended, KVError, KVInvariantError, Refused, Shortage
 
 BS = 16
 
@@ -18,7 +18,7 @@ def admitted(result: Admitted | Refused) -> Admitted:
     return result
 
 
-def snapshot(m: KVManager) -> tuple[object, ...]:
+def snapshot(m: BlockManager) -> tuple[object, ...]:
     nodes = []
     stack = [m.cache.root]
     while stack:
@@ -30,7 +30,7 @@ def snapshot(m: KVManager) -> tuple[object, ...]:
 
 
 def test_exact_repeat_reuses_all_full_blocks() -> None:
-    m = KVManager(64, BS)
+    m = BlockManager(64, BS)
     prompt = toks(0, 40)
     a = admitted(m.admit("a", prompt, 40))
     assert a.cached_tokens == 0 and len(a.block_table) == 3 and a.new_blocks == a.block_table
@@ -46,7 +46,7 @@ def test_exact_repeat_reuses_all_full_blocks() -> None:
 
 
 def test_shared_prefix_of_20_tokens_reuses_one_block() -> None:
-    m = KVManager(64, BS)
+    m = BlockManager(64, BS)
     base = toks(500, 20)
     a = admitted(m.admit("a", [*base, *toks(0, 30)], 50))
     m.cache_prefix("a", [*base, *toks(0, 30)])  # after prefill, still running
@@ -57,7 +57,7 @@ def test_shared_prefix_of_20_tokens_reuses_one_block() -> None:
 
 
 def test_divergence_inside_block_is_not_shared() -> None:
-    m = KVManager(64, BS)
+    m = BlockManager(64, BS)
     p = toks(0, 33)
     admitted(m.admit("a", p, 33))
     m.finish("a", p)
@@ -69,7 +69,7 @@ def test_divergence_inside_block_is_not_shared() -> None:
 
 
 def test_whole_prompt_hit_leaves_one_token_to_compute() -> None:
-    m = KVManager(64, BS)
+    m = BlockManager(64, BS)
     p = toks(0, 32)
     admitted(m.admit("a", p, 32))
     m.finish("a", p)
@@ -79,7 +79,7 @@ def test_whole_prompt_hit_leaves_one_token_to_compute() -> None:
 
 
 def test_multi_turn_follow_up_hits_generated_tokens() -> None:
-    m = KVManager(64, BS)
+    m = BlockManager(64, BS)
     prompt = toks(0, 20)
     admitted(m.admit("a", prompt, m.reserve_for(20, 30)))
     m.extend("a", 50)
@@ -93,7 +93,7 @@ def test_multi_turn_follow_up_hits_generated_tokens() -> None:
 
 
 def test_refusal_carries_numbers_and_changes_nothing() -> None:
-    m = KVManager(8, 4)
+    m = BlockManager(8, 4)
     p = toks(0, 12)
     admitted(m.admit("a", p, 12))
     m.finish("a", p)  # 3 cached blocks, 5 free
@@ -114,14 +114,14 @@ def test_refusal_carries_numbers_and_changes_nothing() -> None:
 
 
 def test_fatal_refusal_when_larger_than_pool() -> None:
-    m = KVManager(4, 4)
+    m = BlockManager(4, 4)
     r = m.admit("a", toks(0, 5), 17)
     assert isinstance(r, Refused) and r.fatal and "pool has 4" in r.reason
     m.check()
 
 
 def test_admission_evicts_lru_but_not_its_own_prefix() -> None:
-    m = KVManager(6, 4)
+    m = BlockManager(6, 4)
     old, mid = toks(0, 8), toks(100, 8)
     for rid, p in (("old", old), ("mid", mid)):
         admitted(m.admit(rid, p, 8))
@@ -139,7 +139,7 @@ def test_admission_evicts_lru_but_not_its_own_prefix() -> None:
 
 
 def test_extend_grows_or_reports_shortage_without_change() -> None:
-    m = KVManager(6, 4, mode="on_demand", lookahead_blocks=1)
+    m = BlockManager(6, 4, mode="on_demand", lookahead_blocks=1)
     assert m.reserve_for(5, 100) == 9
     assert m.reserve_for(5, 2) == 6  # the last of 2 new tokens is never fed back: no K/V
     a = admitted(m.admit("a", toks(0, 5), m.reserve_for(5, 100)))
@@ -157,7 +157,7 @@ def test_extend_grows_or_reports_shortage_without_change() -> None:
 
 
 def test_extend_evicts_cache_leaves() -> None:
-    m = KVManager(4, 4)
+    m = BlockManager(4, 4)
     admitted(m.admit("c", toks(50, 8), 8))
     m.finish("c", toks(50, 8))
     admitted(m.admit("a", toks(0, 4), 4))
@@ -167,14 +167,14 @@ def test_extend_evicts_cache_leaves() -> None:
 
 
 def test_full_mode_reserves_everything() -> None:
-    m = KVManager(64, 16, mode="full")
+    m = BlockManager(64, 16, mode="full")
     assert m.reserve_for(20, 30) == 49  # every token's K/V but the last one generated
     a = admitted(m.admit("a", toks(0, 20), m.reserve_for(20, 30)))
     assert m.capacity("a") == 64 and len(a.block_table) == 4
 
 
 def test_pick_victim_policies() -> None:
-    m = KVManager(64, 4)
+    m = BlockManager(64, 4)
     for rid in ("a", "b", "c"):
         admitted(m.admit(rid, [ord(rid)] * 5, 5))
     assert m.pick_victim() == "c"
@@ -188,7 +188,7 @@ def test_pick_victim_policies() -> None:
 
 
 def test_release_frees_without_caching_and_counts_preemption() -> None:
-    m = KVManager(16, 4)
+    m = BlockManager(16, 4)
     p = toks(0, 9)
     a = admitted(m.admit("a", p, 12))
     freed = m.release("a")
@@ -208,7 +208,7 @@ def test_release_frees_without_caching_and_counts_preemption() -> None:
 
 
 def test_finish_frees_duplicates_of_cached_blocks() -> None:
-    m = KVManager(16, 4)
+    m = BlockManager(16, 4)
     p = toks(0, 9)
     a = admitted(m.admit("a", p, 9))
     b = admitted(m.admit("b", p, 9))  # concurrent: nothing cached yet
@@ -223,7 +223,7 @@ def test_finish_frees_duplicates_of_cached_blocks() -> None:
 
 
 def test_stats_utilization_and_block_states() -> None:
-    m = KVManager(10, 4)
+    m = BlockManager(10, 4)
     admitted(m.admit("a", toks(0, 8), 8))
     m.finish("a", toks(0, 8))
     admitted(m.admit("b", toks(0, 9), 12))  # reuses 2 cached blocks, 1 new
@@ -233,7 +233,7 @@ def test_stats_utilization_and_block_states() -> None:
 
 
 def test_contract_errors_raise_without_change() -> None:
-    m = KVManager(16, 4)
+    m = BlockManager(16, 4)
     admitted(m.admit("a", toks(0, 9), 12))
     before = snapshot(m)
     with pytest.raises(KVError, match="already admitted"):
@@ -248,11 +248,11 @@ def test_contract_errors_raise_without_change() -> None:
         m.extend("zz", 4)
     assert snapshot(m) == before
     with pytest.raises(KVError):
-        KVManager(4, 4, mode="lazy")  # type: ignore[arg-type]
+        BlockManager(4, 4, mode="lazy")  # type: ignore[arg-type]
 
 
 def test_cache_prefix_rejects_tokens_off_the_reused_prefix() -> None:
-    m = KVManager(16, 4)
+    m = BlockManager(16, 4)
     admitted(m.admit("a", toks(0, 9), 9))
     m.finish("a", toks(0, 9))
     admitted(m.admit("b", toks(0, 9), 9))  # reuses 2 blocks
@@ -265,7 +265,7 @@ def test_cache_prefix_rejects_tokens_off_the_reused_prefix() -> None:
 
 
 def test_check_detects_a_leaked_ref() -> None:
-    m = KVManager(8, 4)
+    m = BlockManager(8, 4)
     a = admitted(m.admit("a", toks(0, 8), 8))
     m.pool._refs[a.block_table[0]] += 1
     with pytest.raises(KVInvariantError, match="ref 2"):
@@ -273,7 +273,7 @@ def test_check_detects_a_leaked_ref() -> None:
 
 
 def test_check_detects_wrong_lock_count() -> None:
-    m = KVManager(8, 4)
+    m = BlockManager(8, 4)
     admitted(m.admit("a", toks(0, 8), 8))
     m.finish("a", toks(0, 8))
     node = next(iter(m.cache.root.children.values()))

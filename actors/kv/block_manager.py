@@ -1,4 +1,4 @@
-"""KVManager: every KV block decision for running requests, over a BlockPool and a RadixCache.
+"""BlockManager: every KV block decision for running requests, over a BlockPool and a RadixCache.
 
 Synchronous and I/O-free. A request's life: ``admit`` (reuse the cached prefix, allocate the
 rest, evicting LRU cache leaves if needed, or refuse with no change), optionally
@@ -36,7 +36,7 @@ class RequestState:
     salt: str = ""  # its cache_salt: the cache keys its tokens with it (blockhash.salted)
 
 
-class KVManager:
+class BlockManager:
     """Block pool + prefix cache + per-request block tables.
 
     ``mode``: ``full`` reserves prompt + max_tokens at admission; ``on_demand`` reserves the
@@ -343,4 +343,4 @@ class KVManager:
             raise KVError(f"unknown request {request_id!r}") from None
 
 
-__all__ = ["KVManager", "RequestState", "ReserveMode"]
+__all__ = ["BlockManager", "RequestState", "ReserveMode"]
