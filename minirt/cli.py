@@ -174,7 +174,14 @@ def _up(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    trio.run(run_up, cfg, path)
+    interrupted = False
+    try:
+        trio.run(run_up, cfg, path)
+    except* KeyboardInterrupt:  # Ctrl-C before every actor answered: the children are stopped
+        interrupted = True
+    if interrupted:
+        print("minirt up: interrupted during start-up", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -193,7 +200,7 @@ def _actor_args(p: argparse.ArgumentParser) -> None:
 def _actor(args: argparse.Namespace) -> int:
     from minirt.launch.runner import run_actor
 
-    return run_actor(args.name, config_from_args(args))
+    return run_actor(args.name, config_from_args(args), args.config)
 
 
 def _endpoint_args(p: argparse.ArgumentParser) -> None:

@@ -274,8 +274,13 @@ class RuntimeConfig:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(self.to_json())
+        """Write the config whole or not at all: a child reading it meanwhile sees the old file
+        or the new one, never a part (a temporary file renamed into place)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
 
 
 def options() -> list[Option]:
@@ -296,6 +301,21 @@ def _merge(obj: Any, data: dict[str, Any], where: str, by_key: dict[str, Option]
         else:
             by_key[f"{where}{key}"].check(value)
             setattr(obj, key, value)
+
+
+def without_settings(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less the ``MINIRT_*`` variables that are settings (``MINIRT_REPLICA`` kept: it
+    labels events): what ``minirt up`` hands its children, whose settings are the config it
+    resolved and wrote; a variable read again there would undo that (``--model`` given, a stale
+    ``MINIRT_MODEL`` in the shell)."""
+    settings = {opt.env for opt in options()} - {"MINIRT_REPLICA"}
+    return {k: v for k, v in environ.items() if k not in settings}
+
+
+def settings_in_env(environ: dict[str, str] | None = None) -> list[str]:
+    """The ``MINIRT_*`` settings variables set (non-empty) in ``environ``."""
+    env = os.environ if environ is None else environ
+    return sorted(opt.env for opt in options() if env.get(opt.env))
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextvars
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
 import trio
 
-from actors.runtime.config import ACTORS, RuntimeConfig
+from actors.runtime.config import ACTORS, RuntimeConfig, settings_in_env
 from actors.runtime.events import configure, get_logger
 
 # ``--actor-nice N``: these actors are off the executor's critical path, so may yield it the cores;
@@ -127,8 +128,9 @@ def _serve_off_main(actor: Any) -> None:
         raise failure[0]
 
 
-def run_actor(name: str, cfg: RuntimeConfig) -> int:
-    """Serve ``name`` until SIGTERM/SIGINT. Events go to stdout and RUN_DIR/events/NAME.jsonl."""
+def run_actor(name: str, cfg: RuntimeConfig, config_path: str | None = None) -> int:
+    """Serve ``name`` until SIGTERM/SIGINT. Events go to stdout and RUN_DIR/events/NAME.jsonl.
+    ``config_path``: the file the settings were read from, named in a refusal to start."""
     cfg.resolve()
     configure(name, cfg.run_dir)
     log = get_logger()
@@ -138,8 +140,23 @@ def run_actor(name: str, cfg: RuntimeConfig) -> int:
 
             resolve_serving(cfg)
         actor = build_actor(name, cfg)
-    except Exception as e:
-        log.exception("actor.failed_to_start", error=str(e))
+    except Exception as e:  # say what was read and from where: a wrong path has a source
+        env = settings_in_env()
+        log.exception(
+            "actor.failed_to_start",
+            error=str(e),
+            model=cfg.model,
+            config=config_path or "",
+            env=env,
+        )
+        where = f"the config {config_path}" if config_path else "the defaults"
+        print(
+            f"minirt actor {name}: {e} (model {cfg.model!r}, from {where}"
+            + (f" and the environment's {', '.join(env)}" if env else "")
+            + ")",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     if name == "executor":
         _serve_off_main(actor)

@@ -4,6 +4,7 @@ are, restart an actor that dies, and stop them all on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 import trio
 
-from actors.runtime.config import ACTORS, RuntimeConfig
+from actors.runtime.config import ACTORS, RuntimeConfig, without_settings
 from actors.runtime.events import get_logger
 from actors.runtime.ping import wait_ready
 
@@ -79,8 +80,14 @@ class Child:
             str(self.config_path),
         ]
         out = self.log_path.open("ab")
+        # the child's settings are the config file alone: this process already folded the
+        # environment's MINIRT_* settings into it (and --model etc. over them), so they go
         self.proc = await trio.lowlevel.open_process(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=without_settings(dict(os.environ)),
         )
         out.close()
 

@@ -93,3 +93,46 @@ def test_up_prints_where_the_http_api_and_the_dashboard_are(tiny_model, tmp_path
     with start_runtime(tiny_model, tmp_path / "off") as rt:  # --http-port 0
         assert rt.proc.stdout is not None
         assert "HTTP off" in rt.proc.stdout.readline()
+
+
+def test_every_actor_starts_from_the_resolved_config_whatever_the_environment_says(
+    tiny_model, tmp_path, monkeypatch
+):
+    """A ``MINIRT_MODEL`` left in the shell (here a .gguf-like file, another model) is overridden
+    by ``--model`` for ``minirt up``; its children must then read the config ``minirt up``
+    resolved and wrote, not the variable again (issue 58: the HTTP actor read the unresolved
+    .gguf path). Twice on the same run dir, as a user restarting it."""
+    stray = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    stray.write_bytes(b"GGUF")
+    monkeypatch.setenv("MINIRT_MODEL", str(stray))
+    run_dir = tmp_path / "rt"
+    for _ in range(2):
+        port = free_port()
+        with start_runtime(tiny_model, run_dir, "--http-port", str(port)) as rt:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+                served = json.loads(r.read())["data"][0]["id"]
+            assert served == str(tiny_model)
+            assert json.loads((run_dir / "config.json").read_text())["model"] == str(tiny_model)
+            assert rt.proc.poll() is None
+
+
+def test_an_actor_that_cannot_start_names_what_it_read_and_from_where(tiny_model, tmp_path):
+    from actors.runtime.config import RuntimeConfig
+
+    cfg = RuntimeConfig(model=str(tiny_model), run_dir=str(tmp_path / "rt"), max_model_len=64)
+    path = tmp_path / "config.json"
+    cfg.save(path)
+    stray = tmp_path / "x.gguf"
+    stray.write_bytes(b"GGUF")
+    env = dict(os.environ, MINIRT_MODEL=str(stray))
+    out = subprocess.run(
+        [sys.executable, "-m", "minirt.cli", "actor", "http", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2
+    said = out.stderr.strip().splitlines()[-1]
+    assert said.startswith("minirt actor http: ")
+    assert f"model '{stray}', from the config {path} and the environment's MINIRT_MODEL" in said
