@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -60,7 +61,11 @@ class ExecutorActor(Actor):
         self.step_started: float | None = None
         self.reconcile_due: list[bytes] = []  # a (re)started scheduler asked what runs here
         self.disk_reads = trio.CapacityLimiter(1)
-        self.disk_writes = trio.CapacityLimiter(1)
+        # writes and deletes, one at a time in the order the KV manager sent them: the deletes
+        # that make room for a save are done before it starts (the tier's byte bound holds)
+        self.disk_writes, self.disk_writes_todo = trio.open_memory_channel[Callable[[], Any]](
+            math.inf
+        )
         self._announce()
         # where a step runs: trio's worker thread, or the main thread (gpu/main_thread.py,
         # set by the runner)
@@ -100,6 +105,8 @@ class ExecutorActor(Actor):
         # a worker thread), and parks every other message in the mailbox for the next step start.
         self.nursery = nursery
         nursery.start_soon(super().main_loop)
+        if self.store is not None:
+            nursery.start_soon(self._disk_writer)
 
     def busy_s(self) -> float:
         """The step in flight so far (peers allow a silence of some multiple of it)."""
@@ -164,13 +171,18 @@ class ExecutorActor(Actor):
                 job = functools.partial(disk_jobs.do, self.store, self.ex, work)
                 if self.nursery is None:
                     self._disk_done(job())
-                else:  # one read and one write at a time: a run whose blocks are read first
-                    # starts first (two cores read no faster for sharing them)
-                    lane = self.disk_reads if isinstance(work, xm.Run) else self.disk_writes
-                    self.nursery.start_soon(self._disk, job, lane)
+                elif isinstance(work, xm.Run):  # one read at a time: a run whose blocks
+                    # are read first starts first (two cores read no faster for sharing them)
+                    self.nursery.start_soon(self._disk_read, job)
+                else:
+                    self.disk_writes.send_nowait(job)
 
-    async def _disk(self, job: Callable[[], Any], lane: trio.CapacityLimiter) -> None:
-        self._disk_done(await trio.to_thread.run_sync(job, limiter=lane))
+    async def _disk_read(self, job: Callable[[], Any]) -> None:
+        self._disk_done(await trio.to_thread.run_sync(job, limiter=self.disk_reads))
+
+    async def _disk_writer(self) -> None:
+        async for job in self.disk_writes_todo:
+            self._disk_done(await trio.to_thread.run_sync(job))
 
     def _disk_done(self, result: Any) -> None:
         if result is not None:

@@ -122,8 +122,9 @@ class Holding(Msg, tag="kv_holding"):
 
 class DiskTier(Msg, tag="kv_disk_tier"):
     """Executor -> KV manager (at start, and to a restarted KV manager): the disk tier it keeps
-    for this model (``fingerprint``: weights, dtype, block size, KV layout), the block files found
-    there, least recently used first, each ``block_bytes`` long."""
+    for this model (``fingerprint``: weights, KV dtype, block size, KV layout, compute dtype and
+    device kind), the block files found there, least recently used first, each ``block_bytes``
+    long (a whole file: header and KV)."""
 
     fingerprint: str
     block_bytes: int

@@ -29,7 +29,8 @@ def open_store(cfg: RuntimeConfig, ex: ModelRunner) -> DiskStore:
     live instance holds it)."""
     s = ex.spec
     layout = (s.num_layers, s.num_kv_heads, s.head_dim)
-    fp = fingerprint(ex.model_dir, str(ex.kv_dtype), ex.block_size, layout)
+    computed_by = f"compute={ex.dtype}|device={ex.device.type}"
+    fp = fingerprint(ex.model_dir, str(ex.kv_dtype), ex.block_size, layout, computed_by)
     return DiskStore.open(cfg.kv.disk_dir, fp)
 
 
@@ -38,7 +39,9 @@ def ledger(ex: ModelRunner) -> DiskIO:
 
 
 def announcement(store: DiskStore, ex: ModelRunner) -> DiskTier:
-    return DiskTier(fingerprint=store.fingerprint, block_bytes=block_bytes(ex), keys=store.keys())
+    # the bound counts whole files, headers included
+    size = DiskStore.file_bytes(block_bytes(ex))
+    return DiskTier(fingerprint=store.fingerprint, block_bytes=size, keys=store.keys())
 
 
 def do(

@@ -5,7 +5,8 @@ the executor's side, called from worker threads:
 
 - ``fingerprint(model_dir, ...)``: what a block's bytes depend on besides its tokens: the model
   directory's files (weights, config: their contents' hash), the KV dtype, block size and
-  layout. Another model, dtype or block size gets another subdirectory, so it never hits.
+  layout, and what computed it (the compute dtype, the device kind). Another model, dtype,
+  block size or device gets another subdirectory, so it never hits.
 - ``DiskStore.open``: the subdirectory, locked for this process (``flock``): a second instance
   on the same directory and model is refused with a message saying so (two writers would race
   on the LRU and the bound); a process that dies releases the lock.
@@ -50,15 +51,19 @@ class DiskTierInUse(RuntimeError):
     """Another live process holds this disk tier."""
 
 
-def fingerprint(model_dir: Path, kv_dtype: str, block_size: int, layout: Iterable[int]) -> str:
-    """128-bit hex digest of what a block's KV depends on besides its tokens."""
+def fingerprint(
+    model_dir: Path, kv_dtype: str, block_size: int, layout: Iterable[int], computed_by: str
+) -> str:
+    """128-bit hex digest of what a block's KV depends on besides its tokens; ``computed_by``
+    names what computes it beyond the weights (``gpu/disk/jobs.py``: the compute dtype and the
+    device kind), since the same weights in another dtype write other values."""
     h = xxhash.xxh3_128()
     for f in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
         h.update(str(f.relative_to(model_dir)).encode() + b"\0")
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 23):
                 h.update(chunk)
-    h.update(f"|{kv_dtype}|{block_size}|{','.join(map(str, layout))}".encode())
+    h.update(f"|{kv_dtype}|{block_size}|{','.join(map(str, layout))}|{computed_by}".encode())
     return h.hexdigest()
 
 
@@ -105,6 +110,12 @@ class DiskStore:
                 if e.name.endswith(SUFFIX) and e.is_file():
                     found.append((e.stat().st_mtime_ns, e.name[: -len(SUFFIX)]))
         return [k for _, k in sorted(found)]
+
+    @staticmethod
+    def file_bytes(payload_bytes: int) -> int:
+        """The size of a block file whose payload is ``payload_bytes``: what the tier's byte
+        bound counts."""
+        return _HEADER.size + payload_bytes
 
     def write(self, key: str, payload: bytes | memoryview) -> int:
         """Write ``payload`` as block ``key``; returns the file's size."""

@@ -6,9 +6,12 @@ stays within its byte bound."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +244,73 @@ async def test_a_second_instance_on_the_same_directory_is_refused(tiny_model, tm
         ):
             pass
         assert (await _serve(rt, _prompts(1, seed=6)))[0].finish_reason  # the first serves on
+
+
+async def test_blocks_never_cross_a_change_of_what_computed_them(tiny_model, tmp_path):
+    """One tier, servers started on it one after another: a block written by one is loaded only
+    by a server that computes the same KV (the same weights, compute dtype, block size); the
+    same settings again hit."""
+    disk = tmp_path / "disk"
+    prompts = _prompts(2, seed=11)
+    base = ("--num-blocks", "64", "--kv-disk-dir", str(disk), "--dtype", "float32")
+
+    async def loads(run: str, *flags: str) -> tuple[int, int]:
+        with start_runtime(tiny_model, tmp_path / run, *base, *flags) as rt:
+            out = await _serve(rt, prompts)
+            await _settled(rt)
+            return len(rt.events("executor.disk_loaded")), sum(
+                r.usage["cached_tokens"] for r in out
+            )
+
+    assert await loads("fp32") == (0, 0)  # writes the blocks
+    assert await loads("bf16", "--dtype", "bfloat16") == (0, 0)  # another compute dtype
+    assert await loads("bs32", "--block-size", "32") == (0, 0)  # another block size
+    hits = await loads("fp32-again")
+    assert hits == (len(prompts), sum(_full_blocks(p) for p in prompts))
+
+
+def _tier_bytes(disk: Path) -> int:
+    """Every file of the tier, temporary ones included (a file gone meanwhile counts 0)."""
+    total = 0
+    for root, _, names in os.walk(disk):
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, n)).st_size
+    return total
+
+
+async def test_the_tier_never_holds_more_than_its_bound_while_it_writes(tiny_model, tmp_path):
+    """Prompts cycling through a small pool spill and evict all the time; a thread samples the
+    tier's directory meanwhile: no sample exceeds ``--kv-disk-bytes`` plus one block file."""
+    disk = tmp_path / "disk"
+    prompts = _prompts(4, seed=12)
+    flags = ("--num-blocks", "64", "--kv-disk-dir", str(disk))
+    with start_runtime(tiny_model, tmp_path / "probe", *flags) as rt:
+        await _serve(rt, prompts[:1])
+        await _settled(rt)
+    per_file = max(f.stat().st_size for f in _files(disk))
+    shutil.rmtree(disk)
+    bound = 6 * per_file
+    samples: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(_tier_bytes(disk))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    flags = ("--num-blocks", "24", "--kv-disk-dir", str(disk), "--kv-disk-bytes", str(bound))
+    with start_runtime(tiny_model, tmp_path / "run", *flags) as rt:
+        sampler.start()
+        try:
+            rng = random.Random(3)
+            for _ in range(4):
+                fresh = _prompts(4, seed=rng.randrange(10**6))  # new prefixes: spills, evictions
+                await _serve(rt, fresh + prompts)
+            await _settled(rt)
+        finally:
+            done.set()
+            sampler.join(timeout=10)
+        evicted = rt.events("kv.disk_evicted")
+    assert evicted and len(samples) > 100
+    assert max(samples) <= bound + per_file, (max(samples), bound, per_file)
