@@ -246,7 +246,7 @@ async def test_a_second_instance_on_the_same_directory_is_refused(tiny_model, tm
         assert (await _serve(rt, _prompts(1, seed=6)))[0].finish_reason  # the first serves on
 
 
-async def test_blocks_never_cross_a_change_of_what_computed_them(tiny_model, tmp_path):
+async def test_blocks_never_cross_a_change_of_what_computed_them(tiny_model, tiny_models, tmp_path):
     """One tier, servers started on it one after another: a block written by one is loaded only
     by a server that computes the same KV (the same weights, compute dtype, block size); the
     same settings again hit."""
@@ -254,8 +254,8 @@ async def test_blocks_never_cross_a_change_of_what_computed_them(tiny_model, tmp
     prompts = _prompts(2, seed=11)
     base = ("--num-blocks", "64", "--kv-disk-dir", str(disk), "--dtype", "float32")
 
-    async def loads(run: str, *flags: str) -> tuple[int, int]:
-        with start_runtime(tiny_model, tmp_path / run, *base, *flags) as rt:
+    async def loads(run: str, *flags: str, model: Path = tiny_model) -> tuple[int, int]:
+        with start_runtime(model, tmp_path / run, *base, *flags) as rt:
             out = await _serve(rt, prompts)
             await _settled(rt)
             return len(rt.events("executor.disk_loaded")), sum(
@@ -265,6 +265,7 @@ async def test_blocks_never_cross_a_change_of_what_computed_them(tiny_model, tmp
     assert await loads("fp32") == (0, 0)  # writes the blocks
     assert await loads("bf16", "--dtype", "bfloat16") == (0, 0)  # another compute dtype
     assert await loads("bs32", "--block-size", "32") == (0, 0)  # another block size
+    assert await loads("llama", model=tiny_models["llama"]) == (0, 0)  # other weights
     hits = await loads("fp32-again")
     assert hits == (len(prompts), sum(_full_blocks(p) for p in prompts))
 
