@@ -11,6 +11,7 @@ emit several tokens in one step.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -344,6 +345,9 @@ class ModelRunner:
                     TokenOutput(req.rid, None, None, None, None, False, n_prompt, req.prior)
                 )
         stats = SpecStats(off=sp.off) if sp is not None else None
+        emit = functools.partial(
+            step_batch.emit, self.requests, self.structured, self.max_model_len
+        )
         for req, i, d in batch.runs:
             n = 1
             if d:
@@ -354,17 +358,7 @@ class ModelRunner:
             if req.out:  # a decode: its input and accepted drafts are in the cache now
                 req.computed += n
             for j in range(i, i + n):
-                mask_s += step_batch.emit(
-                    self.requests,
-                    self.structured,
-                    self.max_model_len,
-                    req,
-                    tokens[j],
-                    lps[j],
-                    tops[j],
-                    outputs,
-                    failed,
-                )
+                mask_s += emit(req, tokens[j], lps[j], tops[j], outputs, failed)
                 if req.rid not in self.requests:
                     break  # it ended
         step_s = time.perf_counter() - t0
