@@ -174,12 +174,7 @@ def _up(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    interrupted = False
-    try:
-        trio.run(run_up, cfg, path)
-    except* KeyboardInterrupt:  # Ctrl-C before every actor answered: the children are stopped
-        interrupted = True
-    if interrupted:
+    if not trio.run(run_up, cfg, path):  # stopped before every actor answered
         print("minirt up: interrupted during start-up", file=sys.stderr)
         return 130
     return 0

@@ -19,6 +19,7 @@ from actors.runtime.events import get_logger
 from minirt.launch.processes import Managed, start_router
 from minirt.launch.replicas import ClusterSpec, ReplicaSpec
 from minirt.launch.router import find_router, http_get
+from minirt.launch.supervisor import serve_until_signal
 
 
 class Cluster:
@@ -141,14 +142,9 @@ class Cluster:
 
 async def run_cluster(spec: ClusterSpec) -> None:
     """Run the cluster until SIGINT/SIGTERM; prints ``minirt ready URL`` once it serves."""
-    cluster = Cluster(spec)
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(cluster.run)
-        print(f"minirt ready {url}", flush=True)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
+    await serve_until_signal(
+        Cluster(spec).run, lambda url: print(f"minirt ready {url}", flush=True)
+    )
 
 
 def up_cluster(args: Any, setup: Any, cfg: Any) -> int:

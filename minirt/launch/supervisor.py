@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,13 +238,33 @@ def served_at(cfg: RuntimeConfig) -> str:
     return f"minirt: OpenAI API {base}/v1, dashboard {base}/dashboard"
 
 
-async def run_up(cfg: RuntimeConfig, config_path: Path) -> None:
-    sup = Supervisor(cfg, config_path)
-    async with trio.open_nursery() as nursery:
-        endpoint = await nursery.start(sup.run)
+async def serve_until_signal(run: Any, announce: Callable[[Any], None]) -> bool:
+    """Start ``run`` (``nursery.start``), ``announce`` what it started, and serve until SIGTERM
+    or SIGINT; whether it started. The signals are caught from the first moment, so one that
+    comes during start-up, or right after the ready line, stops what ``run`` started instead of
+    killing this process and leaving its children behind."""
+    started = False
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def until_signal() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(until_signal)
+            value = await nursery.start(run)
+            started = True
+            announce(value)
+            await trio.sleep_forever()
+    return started
+
+
+async def run_up(cfg: RuntimeConfig, config_path: Path) -> bool:
+    """``minirt up`` until SIGTERM/SIGINT; whether every actor became ready first."""
+
+    def ready(endpoint: str) -> None:
         print(f"minirt ready {endpoint}", flush=True)
         print(served_at(cfg), flush=True)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
+
+    return await serve_until_signal(Supervisor(cfg, config_path).run, ready)

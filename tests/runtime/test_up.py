@@ -9,6 +9,7 @@ import subprocess
 import sys
 import urllib.request
 
+from minirt.launch.launch import actor_pids
 from tests.support.http_server import free_port
 from tests.support.runtime import start_runtime
 
@@ -93,6 +94,9 @@ def test_up_prints_where_the_http_api_and_the_dashboard_are(tiny_model, tmp_path
     with start_runtime(tiny_model, tmp_path / "off") as rt:  # --http-port 0
         assert rt.proc.stdout is not None
         assert "HTTP off" in rt.proc.stdout.readline()
+        pids = list(actor_pids(rt.run_dir).values())
+    # SIGTERM came right after the ready lines: minirt up stopped its actors before it exited
+    assert pids and not any(_alive(p) for p in pids), "an actor outlived minirt up"
 
 
 def test_every_actor_starts_from_the_resolved_config_whatever_the_environment_says(
