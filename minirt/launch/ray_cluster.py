@@ -27,6 +27,7 @@ from actors.runtime.events import get_logger
 from minirt.launch.processes import Managed, start_router
 from minirt.launch.replicas import ClusterSpec
 from minirt.launch.router import add_worker, find_router, remove_worker
+from minirt.launch.supervisor import serve_until_signal
 
 RAY_VERSION = "2.60.0"  # what scripts/install-ray installs
 REPORT = b"minirt-ray "  # the driver's report lines (minirt.launch.ray_place.REPORT)
@@ -257,16 +258,8 @@ class RayCluster:
 
 async def run_ray_cluster(spec: ClusterSpec, address: str, ray_python: Path) -> None:
     """Run until SIGINT/SIGTERM; prints ``minirt ready URL`` once the router serves."""
-    cluster = RayCluster(spec, address, ray_python)
     # the signals are ours from the start: Ctrl-C while Ray places the replicas stops them too
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def until_signal() -> None:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(until_signal)
-            url = await nursery.start(cluster.run)
-            print(f"minirt ready {url}", flush=True)
+    await serve_until_signal(
+        RayCluster(spec, address, ray_python).run,
+        lambda url: print(f"minirt ready {url}", flush=True),
+    )
