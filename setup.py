@@ -34,7 +34,7 @@ except ImportError as e:  # pip's isolated build env has no torch: say how to in
 
 HERE = Path(__file__).resolve().parent
 CSRC = Path("gpu") / "csrc"
-C_SOURCE = "kernels.c"  # includes paged_decode.c, cpu_ops.c and decode_gemm.c
+C_SOURCE = "kernels.c"  # includes paged_decode.c, cpu_ops.c, sample.c and decode_gemm.c
 # Not -ffast-math: a shared object linked with it runs crtfastmath's constructor on load, which
 # turns on flush-to-zero / denormals-are-zero for the whole process. These give the vectorized
 # reductions without that.

@@ -2,7 +2,8 @@
 ``generate`` and transformers' continuous batching (``generate_batch``), in one process.
 
 W1: 64 requests, prompt lengths uniform in [32, 256] of random ids >= 16, 64 new tokens each,
-greedy, EOS ignored, seed 0, float32, 2 threads. Prints output tokens/s of each, the ratios, peak
+greedy, EOS ignored, seed 0, float32, 2 threads. ``--sampling-cost N`` adds N rounds of the same
+prompts greedy and sampled and the sampler's share of the step. Prints output tokens/s of each, the ratios, peak
 RSS and the compute-limit percentage (the workload's matmul FLOPs at the GEMM rate of the path
 the executor runs, see ``benchmarks.compute``, divided by our wall time); one request alone
 (time per output token, time outside the forward); vLLM's CPU backend on the same prompts when
@@ -21,6 +22,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,6 +59,25 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "alternating with ours in this process, and report the median of the paired ratios",
     )
     p.add_argument("--rounds", type=int, default=3, help="with --against: paired rounds")
+    p.add_argument(
+        "--sampling-cost",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also run the prompts greedy and sampled (temperature 1.0; --sampling-cost-params "
+        "for others) in this many alternating rounds and report the sampler's share of the step",
+    )
+    p.add_argument(
+        "--sampling-cost-params",
+        default='{"temperature": 1.0}',
+        help="the sampled side's SamplingParams, JSON",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="the bench model's body with this vocabulary (made once, cached; not with --model)",
+    )
     p.add_argument("--profile", type=Path, default=None, help="write our run's op table here")
     p.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
@@ -81,16 +102,18 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(16, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_ours(ex, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], dict]:
+def run_ours(
+    ex, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None
+) -> tuple[float, list[list[int]], dict]:
     """Drive the executor as the KV manager would (allocate blocks on demand); return
-    (seconds, outputs, step stats)."""
+    (seconds, outputs, step stats). ``sampling``: SamplingParams fields (default greedy)."""
     from messages.common import SamplingParams
 
     bs = ex.block_size
     free = list(range(ex.num_blocks - 1, -1, -1))
     tables: dict[str, list[int]] = {}
     outs: dict[str, list[int]] = {}
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **(sampling or {}))
     t0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         rid = f"w{i}"
@@ -194,6 +217,50 @@ def run_single(ex, prompt: list[int], new_tokens: int) -> dict:
     }
 
 
+def sampling_cost(
+    ex, prompts: list[list[int]], new_tokens: int, rounds: int, sampled: dict
+) -> dict:
+    """``--sampling-cost``: the prompts greedy then sampled, ``rounds`` times on one executor;
+    per run its wall time, steps and the time spent in the sampler (``sample_rows``: logits
+    processors, filters and the draw; greedy: the argmax)."""
+    import gpu.model_runner as runner
+
+    real = runner.sample_rows
+    spent = [0.0]
+
+    def timed(*args, **kw):
+        t = time.perf_counter()
+        out = real(*args, **kw)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    runner.sample_rows = timed  # type: ignore[assignment]
+    per: list[dict[str, Any]] = []
+    try:
+        for _ in range(max(1, rounds)):
+            rnd: dict[str, Any] = {}
+            for name, params in (("greedy", {}), ("sampled", sampled)):
+                spent[0] = 0.0
+                secs, _, stats = run_ours(ex, prompts, new_tokens, params)
+                rnd[name] = {
+                    "s": secs,
+                    "steps": stats["steps"],
+                    "step_ms": 1e3 * secs / stats["steps"],
+                    "sampler_ms_per_step": 1e3 * spent[0] / stats["steps"],
+                    "sampler_share": spent[0] / secs,
+                }
+            rnd["sampled_over_greedy"] = rnd["sampled"]["s"] / rnd["greedy"]["s"]
+            per.append(rnd)
+    finally:
+        runner.sample_rows = real  # type: ignore[assignment]
+    return {
+        "sampled_params": sampled,
+        "rounds": per,
+        "median_sampler_share": statistics.median(r["sampled"]["sampler_share"] for r in per),
+        "median_sampled_over_greedy": statistics.median(r["sampled_over_greedy"] for r in per),
+    }
+
+
 def paired_rounds(ex, other, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
     """``--against``: ``rounds`` rounds of the prompts through ``ex`` then ``other`` (both
     warmed), each round's tok/s and ratio, and the median ratio. One run on these shared machines
@@ -215,10 +282,14 @@ def main(argv: list[str]) -> int:
     model_dir = a.model
     if model_dir is None:
         model_dir = DEFAULT_MODEL
+        over = None
+        if a.vocab:
+            model_dir = model_dir.with_name(f"{model_dir.name}-vocab{a.vocab}")
+            over = {"vocab_size": a.vocab}
         if not (model_dir / "config.json").exists():
             from gpu.model.make_model import make_model
 
-            make_model("qwen2", "bench", model_dir)
+            make_model("qwen2", "bench", model_dir, config_overrides=over)
     from benchmarks import compute
     from gpu.model.loader import load_spec
     from gpu.model_runner import ModelRunner
@@ -284,6 +355,23 @@ def main(argv: list[str]) -> int:
         f"one alone:  {res['single_tpot_ms']:.2f} ms per output token, "
         f"{res['single_outside_forward_ms_per_step']:.2f} ms per step outside the forward"
     )
+    if a.sampling_cost:
+        sampled = json.loads(a.sampling_cost_params)
+        cost = sampling_cost(ex, prompts, a.new_tokens, a.sampling_cost, sampled)
+        res["sampling_cost"] = cost
+        for k, r in enumerate(cost["rounds"], 1):
+            g, s_ = r["greedy"], r["sampled"]
+            print(
+                f"sampling:   round {k}: step {g['step_ms']:.1f} ms greedy, {s_['step_ms']:.1f} ms "
+                f"sampled ({r['sampled_over_greedy']:.3f}x); sampler {g['sampler_ms_per_step']:.2f}"
+                f" / {s_['sampler_ms_per_step']:.2f} ms per step = {100 * s_['sampler_share']:.1f}%"
+                " of the sampled step"
+            )
+        print(
+            f"sampling:   {json.dumps(sampled)}: median sampler share "
+            f"{100 * cost['median_sampler_share']:.1f}%, sampled/greedy wall "
+            f"{cost['median_sampled_over_greedy']:.3f}x over {a.sampling_cost} rounds"
+        )
     if a.against:
         other = warmed(a.against)
         res["against"] = {

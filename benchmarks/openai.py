@@ -5,11 +5,15 @@ ratios per round; plus what the HTTP layer costs (the same workload through mini
 client and through its HTTP API, same run). Writes README.md and its PNGs to ``--out``, the JSON
 to ``--out``'s ``results/``.
 
-Workloads (``--dataset-name random``, the model directory as tokenizer, ``--ignore-eos``, greedy):
+Workloads (``--dataset-name random``, the model directory as tokenizer, ``--ignore-eos``; sampling
+as the client sends it: by default no temperature, so both servers sample at their default 1.0,
+as users' runs do; ``--sampling '--temperature 0'`` for greedy):
 W1-like (64 requests, prompts 32..256 tokens, 64 output tokens, all at once) and a Poisson rate
 sweep of the same requests, with goodput (``vllm bench serve --goodput``: requests meeting the
-TTFT and TPOT objectives). Both servers get the same KV bytes (``--kv-gib``); vLLM runs as its
-CPU docs advise (tcmalloc preloaded, OpenMP threads bound). ``--variant`` adds minirt servers
+TTFT and TPOT objectives). Both servers get the same KV bytes (``--kv-gib``) and serve at their
+default dtype (``--dtype auto``: the checkpoint's; ``--stored-in bfloat16`` serves a copy of the
+checkpoint stored in bfloat16, as the hub stores most models); vLLM runs as its CPU docs advise
+(tcmalloc preloaded, OpenMP threads bound). ``--variant`` adds minirt servers
 with other flags (e.g. the fixed step budget). Run it on a quiet machine; ``--quick`` is a smoke
 test.
 """
@@ -47,6 +51,23 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--sweep", default="2,4,8", help="request rates (req/s); empty: none")
+    p.add_argument(
+        "--sampling",
+        default="",
+        help="the client's sampling flags, e.g. '--temperature 0' (greedy) or '--temperature 0.7 "
+        "--top-p 0.9 --top-k 50'; default none: each server samples at its default 1.0",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="both servers' --dtype (auto: the checkpoint's, each server's default)",
+    )
+    p.add_argument(
+        "--stored-in",
+        default=None,
+        choices=("bfloat16", "float32"),
+        help="serve a copy of the model stored in this dtype (benchmarks/checkpoints.py)",
+    )
     p.add_argument("--minirt-flags", default="", help="extra `minirt up` flags")
     p.add_argument(
         "--vllm-flags",
@@ -98,6 +119,7 @@ def client_args(a: argparse.Namespace, rate: str, n: int | None = None, seed: in
         "--num-prompts", str(n or a.num_prompts), "--random-input-len", str(a.input_len),
         "--random-output-len", str(a.output_len), "--random-range-ratio", ratio,
         "--request-rate", rate, "--seed", str(seed), "--goodput", *a.goodput.split(),
+        *shlex.split(a.sampling),
     ]  # fmt: skip
 
 
@@ -109,7 +131,8 @@ def minirt_server(
 
     port = free_port()
     kv = str(a.kv_gib << 30)
-    flags = ["--http-port", str(port), "--kv-memory", kv, *shlex.split(a.minirt_flags)]
+    flags = ["--http-port", str(port), "--kv-memory", kv, "--dtype", a.dtype]
+    flags += shlex.split(a.minirt_flags)
     flags += shlex.split(extra)
     run = work / f"run-minirt-{int(time.time())}"
     with start_runtime(model, run, *flags, timeout=600) as rt:
@@ -145,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work).absolute()
     work.mkdir(parents=True, exist_ok=True)
     model = Path(a.model).absolute() if a.model else default_bench_model()
+    if a.stored_in:
+        from benchmarks.checkpoints import stored_in
+
+        model = stored_in(model, a.stored_in)
     variants = dict(v.split("=", 1) for v in a.variant)
     servers = [s for s in a.servers.split(",") if s]
     servers[1:1] = [v for v in variants if v not in servers]  # after minirt, before vLLM
@@ -161,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "vllm":
                 py = ensure_venv(work / "vllm")
                 log = work / "vllm-server.log"
-                flags = shlex.split(a.vllm_flags)
+                flags = ["--dtype", a.dtype, *shlex.split(a.vllm_flags)]
                 kv = {"VLLM_CPU_KVCACHE_SPACE": str(a.kv_gib)}
                 with vllm_server(py, model, free_port(), log, threads, flags, kv) as url:
                     got = run_server(a, name, url, model, client, work)

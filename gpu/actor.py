@@ -77,6 +77,8 @@ class ExecutorActor(Actor):
             model=cfg.model,
             device=str(self.ex.device),
             dtype=str(self.ex.dtype),
+            dtype_reason=self.ex.dtype_reason,
+            kv_dtype=str(self.ex.kv_dtype),
             num_blocks=self.ex.num_blocks,
             block_size=self.ex.block_size,
             kv_bytes=self.ex.kv_bytes,

@@ -33,18 +33,22 @@ from messages.common import SamplingParams
 
 
 class LogitsProcessors:
-    """One request's processor settings and token statistics (dense ``[vocab]`` tensors on the
-    model's device, kept only for the processors the request uses)."""
+    """One request's processor settings and token statistics, kept sparse (the tokens it has
+    seen and generated, never a tensor of the vocabulary's size), only for the processors the
+    request uses."""
 
     __slots__ = (
         "bias_ids",
         "bias_vals",
         "counts",
+        "device",
         "frequency",
         "min_tokens",
         "presence",
         "repetition",
         "seen",
+        "seen_ids",
+        "seen_new",
         "stop_ids",
     )
 
@@ -57,23 +61,25 @@ class LogitsProcessors:
         vocab: int,
         device: torch.device,
     ) -> None:
+        self.device = device
         self.presence = params.presence_penalty
         self.frequency = params.frequency_penalty
         self.repetition = params.repetition_penalty
         self.min_tokens = params.min_tokens
         # Output counts (frequency/presence): the last ``prior`` prompt tokens are outputs.
-        self.counts: torch.Tensor | None = None
+        self.counts: dict[int, int] | None = None
         if self.presence or self.frequency:
-            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            outs = prompt[len(prompt) - prior :]
-            if outs:
-                ids = torch.tensor(outs, dtype=torch.long, device=device)
-                self.counts.index_add_(0, ids, torch.ones(len(outs), device=device))
-        # Tokens seen in prompt + output (repetition penalty).
-        self.seen: torch.Tensor | None = None
+            self.counts = {}
+            for t in prompt[len(prompt) - prior :]:
+                self.counts[t] = self.counts.get(t, 0) + 1
+        # Tokens seen in prompt + output (repetition penalty): the set, its ids as a tensor, and
+        # those seen since the tensor was made.
+        self.seen: set[int] | None = None
+        self.seen_ids = torch.empty(0, dtype=torch.long, device=device)
+        self.seen_new: list[int] = []
         if self.repetition != 1.0:
-            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+            self.seen = set(prompt)
+            self.seen_new = list(self.seen)
         self.bias_ids: torch.Tensor | None = None
         self.bias_vals: torch.Tensor | None = None
         if params.logit_bias:
@@ -107,68 +113,101 @@ class LogitsProcessors:
     def observe(self, token: int) -> None:
         """Count a newly generated token."""
         if self.counts is not None:
-            self.counts[token] += 1.0
-        if self.seen is not None:
-            self.seen[token] = True
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.seen is not None and token not in self.seen:
+            self.seen.add(token)
+            self.seen_new.append(token)
+
+    def seen_tensor(self, pending: list[int]) -> torch.Tensor:
+        """The ids seen (each once), with ``pending``'s unseen ones after them."""
+        assert self.seen is not None
+        if self.seen_new:
+            new = torch.tensor(self.seen_new, dtype=torch.long, device=self.device)
+            self.seen_ids = torch.cat([self.seen_ids, new])
+            self.seen_new = []
+        extra = [t for t in dict.fromkeys(pending) if t not in self.seen]
+        if not extra:
+            return self.seen_ids
+        return torch.cat([self.seen_ids, torch.tensor(extra, dtype=torch.long, device=self.device)])
+
+    def count_items(self, pending: list[int]) -> tuple[list[int], list[int]]:
+        """The generated ids and their counts, ``pending`` counted as generated."""
+        assert self.counts is not None
+        counts = self.counts
+        if pending:
+            counts = dict(counts)
+            for t in pending:
+                counts[t] = counts.get(t, 0) + 1
+        return list(counts), list(counts.values())
 
 
 def apply_processors(
     logits: torch.Tensor,
     rows: list[tuple[int, LogitsProcessors, int]],
     pending: list[list[int]] | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """New ``[B, V]`` logits with ``rows`` processed; ``logits`` is not mutated.
+    """``[B, V]`` logits with ``rows`` processed: a new tensor, or ``logits`` itself rewritten
+    with ``inplace``. Only the tokens a row's processors name are touched.
 
     ``rows``: ``(row, processors, outputs generated so far)`` for each row that has processors.
     ``pending[j]``: tokens generated before ``rows[j]``'s output that its processors have not
     observed (a draft row: the drafts before it), counted by its penalties as if they had been.
     """
-    dev = logits.device
-    idx = torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=dev)
-    x = logits.index_select(0, idx)
-    procs = [p for _, p, _ in rows]
+    with torch.inference_mode():  # the forward's logits are inference tensors
+        return _apply(logits if inplace else logits.clone(), rows, pending)
 
-    bias = [(j, p.bias_ids, p.bias_vals) for j, p in enumerate(procs) if p.bias_ids is not None]
+
+def _apply(
+    x: torch.Tensor,
+    rows: list[tuple[int, LogitsProcessors, int]],
+    pending: list[list[int]] | None,
+) -> torch.Tensor:
+    dev = x.device
+    todo = [[] if pending is None else pending[j] for j in range(len(rows))]
+
+    bias = [(r, p.bias_ids, p.bias_vals) for r, p, _ in rows if p.bias_ids is not None]
     if bias:
-        r, t = _flat([(j, ids) for j, ids, _ in bias])
+        r, t = _flat([(r, ids) for r, ids, _ in bias])
         vals = [v for _, _, v in bias if v is not None]  # set with bias_ids, always
         x.index_put_((r, t), torch.cat(vals), accumulate=True)
 
-    banned = [
-        (j, p.stop_ids)
-        for j, (_, p, n) in enumerate(rows)
-        if p.stop_ids is not None and n < p.min_tokens
-    ]
+    banned = [(r, p.stop_ids) for r, p, n in rows if p.stop_ids is not None and n < p.min_tokens]
     if banned:
         r, t = _flat(banned)
         x.index_put_((r, t), torch.tensor(float("-inf"), device=dev))
 
-    rep = [j for j, p in enumerate(procs) if p.seen is not None]
+    rep = [
+        (r, p.seen_tensor(todo[j]), p.repetition)
+        for j, (r, p, _) in enumerate(rows)
+        if p.seen is not None
+    ]
     if rep:
-        sel = torch.tensor(rep, dtype=torch.long, device=dev)
-        sub = x.index_select(0, sel)
-        seen = torch.stack([procs[j].seen for j in rep])  # type: ignore[misc]
-        for i, j in enumerate(rep):
-            if pending and pending[j]:
-                seen[i, torch.tensor(pending[j], dtype=torch.long, device=dev)] = True
-        pen = torch.tensor([procs[j].repetition for j in rep], dtype=x.dtype, device=dev)[:, None]
-        x.index_copy_(0, sel, torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub))
+        r, t = _flat([(r, ids) for r, ids, _ in rep])
+        pen = torch.cat(
+            [torch.full((len(ids),), pen, dtype=x.dtype, device=dev) for _, ids, pen in rep]
+        )
+        v = x[r, t]
+        x[r, t] = torch.where(v < 0, v * pen, v / pen)
 
-    pf = [j for j, p in enumerate(procs) if p.counts is not None]
+    pf = [
+        (r, p, *p.count_items(todo[j])) for j, (r, p, _) in enumerate(rows) if p.counts is not None
+    ]
+    pf = [e for e in pf if e[2]]
     if pf:
-        sel = torch.tensor(pf, dtype=torch.long, device=dev)
-        counts = torch.stack([procs[j].counts for j in pf]).double()  # type: ignore[misc]
-        for i, j in enumerate(pf):
-            if pending and pending[j]:
-                ids = torch.tensor(pending[j], dtype=torch.long, device=dev)
-                counts[i].index_add_(0, ids, torch.ones(len(ids), dtype=counts.dtype, device=dev))
-        f = torch.tensor([procs[j].frequency for j in pf], dtype=torch.float64, device=dev)
-        p = torch.tensor([procs[j].presence for j in pf], dtype=torch.float64, device=dev)
+        r = torch.tensor([r for r, _, ids, _ in pf for _ in ids], dtype=torch.long, device=dev)
+        t = torch.tensor([i for _, _, ids, _ in pf for i in ids], dtype=torch.long, device=dev)
+        c = torch.tensor([n for _, _, _, cs in pf for n in cs], dtype=torch.float64, device=dev)
+        f = torch.tensor(
+            [p.frequency for _, p, ids, _ in pf for _ in ids], dtype=torch.float64, device=dev
+        )
+        q = torch.tensor(
+            [p.presence for _, p, ids, _ in pf for _ in ids], dtype=torch.float64, device=dev
+        )
         # In float64, rounded once: the same as subtracting ``f * c + p`` token by token.
-        penalty = (f[:, None] * counts + p[:, None] * (counts > 0)).to(x.dtype)
-        x.index_copy_(0, sel, x.index_select(0, sel) - penalty)
+        x[r, t] = x[r, t] - (f * c + q).to(x.dtype)
 
-    return logits.index_copy(0, idx, x)
+    return x
 
 
 def _flat(parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

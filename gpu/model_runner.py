@@ -54,7 +54,8 @@ class ModelRunner:
     """Model + KV cache + in-flight requests. Not thread-safe; one caller drives it.
 
     Attributes: ``num_blocks``, ``block_size``, ``kv_bytes``, ``max_model_len``, ``vocab_size``,
-    ``eos_token_ids``, ``device``, ``dtype``. ``kv_memory`` is bytes (int) or a fraction of free
+    ``eos_token_ids``, ``device``, ``dtype`` (``--dtype auto``: the checkpoint's where the
+    device computes it natively; ``dtype_reason`` says why). ``kv_memory`` is bytes (int) or a fraction of free
     device memory (float in (0, 1]); ``num_blocks`` wins over it; with neither, the default of
     ``gpu.model.kv_cache.pool_blocks`` (a fraction of the memory left after the weights, at most what
     ``max_batch_size`` requests of the model's context can use). ``max_model_len`` (default: the
@@ -114,23 +115,17 @@ class ModelRunner:
         self.bound_cpus: list[int] | None = None
         if bind_threads and self.device.type == "cpu":
             self.cpus_before_bind, self.bound_cpus = cpu_tuning.bind_threads()
-        self.dtype = loader.resolve_dtype(dtype, self.device)
-        spec = loader.load_spec(model_dir)
-        self.spec = spec
+        self.dtype, self.dtype_reason = loader.choose_dtype(dtype, self.device, model_dir)
+        self.spec = spec = loader.load_spec(model_dir)
         self.model_dir = Path(model_dir)
-        # the KV cache and the weights as loaded are in the attention block's dtype (float32
-        # for bfloat16 on CPU: see gpu.model.loader.attention_dtype)
+        # the KV cache and the weights as loaded: the attention's (loader.attention_dtype)
         self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
         # read on the host and handed over whole: the model fuses each layer's tensors there and
         # moves the fused ones to the device once (no second copy on the card)
-        self.model = LlamaFamilyModel(
-            spec,
-            loader.load_weights(
-                model_dir, self.kv_dtype, loader.HOST, tied=spec.tie_word_embeddings
-            ),
-            self.device,
-            self.dtype,
+        weights = loader.load_weights(
+            model_dir, self.kv_dtype, loader.HOST, spec.tie_word_embeddings
         )
+        self.model = LlamaFamilyModel(spec, weights, self.device, self.dtype)
         self.model.warm_up()
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)
@@ -328,7 +323,9 @@ class ModelRunner:
             tm = time.perf_counter()
             masked = self.structured.mask(logits, samplers, masking)  # constrained rows only
             mask_s = time.perf_counter() - tm
-        tokens_t = sample_rows(masked, samplers, batch.offsets if drafts else None, drafts)
+        # the raw logits outlive the sampler only for logprobs (else it may rewrite them)
+        scratch = masked is not logits or all(r.params.logprobs is None for r in samplers)
+        tokens_t = sample_rows(masked, samplers, batch.offsets if drafts else None, drafts, scratch)
         tokens = tokens_t.tolist()
         forward_s = time.perf_counter() - t1
         if sp is not None and not chunks:  # what a served step's rows cost (gpu/spec/cost.py)

@@ -170,7 +170,7 @@ def _up(args: argparse.Namespace) -> int:
     print(
         f"minirt: model {cfg.http.served_model_name} ({cfg.model}), run dir {cfg.run_dir}, "
         f"KV pool {cfg.kv.num_blocks} blocks = {tokens:,} tokens, max_model_len "
-        f"{cfg.max_model_len:,}",
+        f"{cfg.max_model_len:,}\nminirt: dtype {served_dtype(cfg)}",
         file=sys.stderr,
         flush=True,
     )
@@ -178,6 +178,18 @@ def _up(args: argparse.Namespace) -> int:
         print("minirt up: interrupted during start-up", file=sys.stderr)
         return 130
     return 0
+
+
+def served_dtype(cfg: Any) -> str:
+    """The dtype the executor will serve in and why (``--dtype auto``: gpu.model.loader)."""
+    from gpu.model import loader
+
+    device = loader.resolve_device(cfg.executor.device)
+    dtype, why = loader.choose_dtype(cfg.executor.dtype, device, cfg.model)
+    kv = loader.attention_dtype(dtype, device)
+    name = str(dtype).removeprefix("torch.")
+    tail = "" if kv == dtype else f"; attention and KV cache {str(kv).removeprefix('torch.')}"
+    return f"{name}: {why}{tail}"
 
 
 def _actor_args(p: argparse.ArgumentParser) -> None:

@@ -51,7 +51,11 @@ class ExecutorConfig:
     )
     dtype: str | None = field(
         default=None,
-        metadata=doc("weights and activations", choices=("float32", "bfloat16", "float16")),
+        metadata=doc(
+            "weights and activations; auto (the default, as vLLM's): the checkpoint's dtype "
+            "where the device computes it natively, else float32 (cuda: bfloat16)",
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
     )
     device: str | None = field(default=None, metadata=doc("torch device (cpu, cuda, cuda:1...)"))
     gpu_memory_utilization: float = field(

@@ -1,4 +1,4 @@
-/* The C kernels' entry points (paged_decode.c, cpu_ops.c, decode_gemm.c), declared once per
+/* The C kernels' entry points (paged_decode.c, cpu_ops.c, sample.c, decode_gemm.c), declared once per
  * build of them: setup.py compiles the three files once per instruction set, each build's symbols
  * prefixed (minirt_generic_, minirt_v3_, minirt_v4_, minirt_v4bf16_), and ops.cpp picks one at
  * run time from the CPU's features. */
@@ -12,6 +12,9 @@
                        int64_t, int64_t, int64_t, float *))                                       \
     X(void, rms_norm_f32, (const float *, int64_t, const float *, int64_t, int64_t, float, float *)) \
     X(void, argmax_f32, (const float *, int64_t, int64_t, int64_t, int64_t *))                    \
+    X(void, sample_f32, (const float *, int64_t, const int64_t *, int64_t, int64_t, const float *,  \
+                         const float *, const float *, const double *, int64_t *))                \
+    X(void, topk_f32, (const float *, int64_t, const int64_t *, int64_t, int64_t, int64_t, float *)) \
     X(void, silu_mul_f32, (const float *, int64_t, int64_t, int64_t, float *))                    \
     X(void, silu_mul_bf16, (const uint16_t *, int64_t, int64_t, int64_t, uint16_t *))             \
     X(int64_t, paged_decode_vector, (int64_t, int64_t))                                           \

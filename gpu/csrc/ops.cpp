@@ -137,6 +137,47 @@ at::Tensor argmax(const at::Tensor &logits) {
     return out;
 }
 
+// rows: which rows of logits (checked), contiguous on return
+at::Tensor logit_rows(const at::Tensor &logits, const at::Tensor &rows) {
+    expect(logits, "logits", at::kFloat, 2);
+    TORCH_CHECK(logits.stride(1) == 1 && logits.size(1) > 0, "logits: non-empty contiguous rows");
+    expect(rows, "rows", at::kLong, 1);
+    auto r = rows.contiguous();
+    auto rp = r.data_ptr<int64_t>();
+    for (int64_t i = 0; i < r.size(0); i++)
+        TORCH_CHECK(rp[i] >= 0 && rp[i] < logits.size(0), "rows: ", rp[i], " is not a row of logits");
+    return r;
+}
+
+at::Tensor sample(const at::Tensor &logits, const at::Tensor &rows, const at::Tensor &inv_temp,
+                  const at::Tensor &floor, const at::Tensor &log_min_p, const at::Tensor &u) {
+    auto r = logit_rows(logits, rows);
+    int64_t n = r.size(0);
+    expect(inv_temp, "inv_temp", at::kFloat, 1);
+    expect(floor, "floor", at::kFloat, 1);
+    expect(log_min_p, "log_min_p", at::kFloat, 1);
+    expect(u, "u", at::kDouble, 1);
+    TORCH_CHECK(inv_temp.size(0) == n && floor.size(0) == n && log_min_p.size(0) == n &&
+                    u.size(0) == n,
+                "inv_temp, floor, log_min_p, u: one per row");
+    auto t = inv_temp.contiguous(), f = floor.contiguous(), lm = log_min_p.contiguous();
+    auto w = u.contiguous();
+    auto out = at::empty({n}, logits.options().dtype(at::kLong));
+    K()->sample_f32(logits.data_ptr<float>(), logits.stride(0), r.data_ptr<int64_t>(), n,
+                    logits.size(1), t.data_ptr<float>(), f.data_ptr<float>(),
+                    lm.data_ptr<float>(), w.data_ptr<double>(), out.data_ptr<int64_t>());
+    return out;
+}
+
+at::Tensor topk_values(const at::Tensor &logits, const at::Tensor &rows, int64_t k) {
+    auto r = logit_rows(logits, rows);
+    TORCH_CHECK(k >= 1, "k: at least 1, got ", k);
+    auto out = at::empty({r.size(0), k}, logits.options());
+    K()->topk_f32(logits.data_ptr<float>(), logits.stride(0), r.data_ptr<int64_t>(), r.size(0),
+                  logits.size(1), k, out.data_ptr<float>());
+    return out;
+}
+
 at::Tensor silu_mul(const at::Tensor &gate_up) {
     expect_float(gate_up, "gate_up", 2);
     TORCH_CHECK(gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
@@ -303,6 +344,9 @@ TORCH_LIBRARY(minirt, m) {
     m.def("rope(Tensor x, Tensor cos, Tensor sin_signed, Tensor positions) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("argmax(Tensor logits) -> Tensor");
+    m.def("sample(Tensor logits, Tensor rows, Tensor inv_temp, Tensor floor, Tensor log_min_p, "
+          "Tensor u) -> Tensor");
+    m.def("topk_values(Tensor logits, Tensor rows, int k) -> Tensor");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("kv_write(Tensor(a!) cache, Tensor slots, Tensor x) -> ()");
     m.def("paged_decode(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor lens, "
@@ -320,6 +364,8 @@ TORCH_LIBRARY_IMPL(minirt, CPU, m) {
     m.impl("rope", &rope);
     m.impl("rms_norm", &rms_norm);
     m.impl("argmax", &argmax);
+    m.impl("sample", &sample);
+    m.impl("topk_values", &topk_values);
     m.impl("silu_mul", &silu_mul);
     m.impl("kv_write", &kv_write);
     m.impl("paged_decode", &paged_decode);

@@ -1,6 +1,6 @@
 """The float32 forward's elementwise chains as single C passes (``gpu/csrc/cpu_ops.c``, operators
 of the kernel library, :mod:`gpu.kernels`): RoPE, RMSNorm, the gated MLP's SiLU-and-multiply, the
-greedy argmax and the KV cache write.
+greedy argmax, the sampled draw and the KV cache write.
 torch runs each as 1-8 ops; at a batch-64 decode step their dispatch and allocation is most of
 the cost, and torch's bfloat16 elementwise ops widen and round at every op.
 
@@ -55,6 +55,34 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     if lib is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
         return None
     return lib.argmax(logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    inv_temp: torch.Tensor,
+    floor: torch.Tensor,
+    log_min_p: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor | None:
+    """One draw per entry of ``rows`` from ``softmax(logits[row] * inv_temp)`` restricted to
+    the logits at or above ``floor`` and to probabilities at least ``exp(log_min_p)`` times the
+    best's, by inverting its cumulative sum at ``u`` (``gpu/csrc/sample.c``): the first token
+    whose running sum passes ``u`` times the total. 2-D float32 ``logits`` with contiguous rows;
+    ``rows`` int64, ``inv_temp``/``floor``/``log_min_p`` float32, ``u`` float64."""
+    lib = _lib(logits)
+    if lib is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return None
+    return lib.sample(logits, rows, inv_temp, floor, log_min_p, u)
+
+
+def topk_values(logits: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor | None:
+    """``logits[rows].topk(k).values`` (``[len(rows), k]``, sorted descending; -inf past a row's
+    finite values) in one pass per row, without copying the rows."""
+    lib = _lib(logits)
+    if lib is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return None
+    return lib.topk_values(logits, rows, k)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

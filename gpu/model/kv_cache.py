@@ -224,7 +224,8 @@ def resolve_num_blocks(cfg: RuntimeConfig) -> int:
     from gpu.model import loader
 
     device = loader.resolve_device(cfg.executor.device)
-    dtype = loader.attention_dtype(loader.resolve_dtype(cfg.executor.dtype, device), device)
+    served = loader.resolve_dtype(cfg.executor.dtype, device, cfg.model)
+    dtype = loader.attention_dtype(served, device)
     spec = loader.load_spec(cfg.model)
     most = cfg.scheduler.max_batch_size * spec.max_model_len
     ex = cfg.executor

@@ -138,12 +138,13 @@ class LlamaFamilyModel:
         self.spec = spec
         self.embed = weights.pop("model.embed_tokens.weight").to(device)
         dtype = dtype or self.embed.dtype
-        # the attention block runs in the weights' dtype (float32 for bfloat16 on CPU, see
-        # gpu.model.loader.attention_dtype), the MLP in ``dtype``
+        # the attention block runs in the weights' dtype (float32 for bfloat16 on a CPU without
+        # native bfloat16, see gpu.model.loader.attention_dtype), the MLP in ``dtype``
         self.attn_dtype, self.mlp_dtype = self.embed.dtype, dtype
-        # bfloat16: the residual stream, the norms and the LM head stay float32 too: bfloat16's
-        # 8-bit mantissa in the residual sums and the logits is most of the drift from float32
-        # (docs/benchmarks/cpu-levers/README.md)
+        # bfloat16: the residual stream, the norms, RoPE and the LM head stay float32 (rounded
+        # to bfloat16 once, where a linear or the KV cache takes them): a bfloat16 head alone cost
+        # 0.8-0.9 points of top-1 agreement with float32, below vLLM's all-bfloat16
+        # (docs/benchmarks/bf16-quality-q05)
         self.mixed = dtype == torch.bfloat16
         norm_dt = torch.float32 if self.mixed else dtype
         self.norm = weights.pop("model.norm.weight").to(device=device, dtype=norm_dt)
@@ -171,7 +172,7 @@ class LlamaFamilyModel:
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.cos, self.sin = self._rope_table(device, self.attn_dtype)
+        self.cos, self.sin = self._rope_table(device, norm_dt)
         half = spec.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
@@ -270,12 +271,14 @@ class LlamaFamilyModel:
             qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
-                qk = rope(qkv[:, : nh + nkv], rot)
+                qk = rope(qkv[:, : nh + nkv].to(rot.cos.dtype), rot).to(qkv.dtype)
                 q, k = qk[:, :nh], qk[:, nh:]
             else:
-                q = rope(rms_norm(qkv[:, :nh], ly.q_norm, eps), rot)
+                qn = rms_norm(qkv[:, :nh], ly.q_norm, eps).to(rot.cos.dtype)
+                q = rope(qn, rot).to(qkv.dtype)
                 assert ly.k_norm is not None  # Qwen3 has both norms or neither
-                k = rope(rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps), rot)
+                kn = rms_norm(qkv[:, nh : nh + nkv], ly.k_norm, eps).to(rot.cos.dtype)
+                k = rope(kn, rot).to(qkv.dtype)
             attn = paged_attention(q, k, v, cache, i, meta, self.scale)
             # Row tiles from here to the layer's end, on CPU of TILE_ROWS: the linears tile there
             # anyway (same kernels, same rounding), so the outputs add into x in place instead
@@ -285,5 +288,5 @@ class LlamaFamilyModel:
                 xs = x[r : r + tile]  # a view: the adds below write into x
                 xs += ly.o(attn[r : r + tile])
                 xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
-        h = rms_norm(x[logit_rows], self.norm, eps)
+        h = rms_norm(x[logit_rows], self.norm, eps).to(self.lm_head.dtype)
         return self.lm_head(h).float()

@@ -69,20 +69,68 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``dtype`` as given (name or torch dtype), else bfloat16 on cuda and float32 on cpu.
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, model_dir: str | Path | None = None
+) -> torch.dtype:
+    """The dtype a model is served in: :func:`choose_dtype`'s, without its reason."""
+    return choose_dtype(dtype, device, model_dir)[0]
 
-    Raises ValueError for a dtype other than float32/bfloat16/float16.
+
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
+    """The dtype the checkpoint's config names (``dtype``, or the older ``torch_dtype``)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+
+
+def fast_bfloat16(device: torch.device) -> str | None:
+    """Why this device computes bfloat16 natively (the instructions), or None where it does not:
+    on CPU, avx512_bf16 (the kernels' bfloat16 build runs) or AMX."""
+    if device.type != "cpu":
+        return device.type
+    from gpu.kernels import ops
+
+    lib = ops()
+    if lib is not None and lib.has_vector("rows_bf16"):
+        return "avx512_bf16"
+    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    return "AMX" if amx is not None and amx() else None
+
+
+def choose_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, model_dir: str | Path | None = None
+) -> tuple[torch.dtype, str]:
+    """The dtype to serve in and why, as vLLM's ``--dtype auto``: ``dtype`` if given; with none
+    (or "auto"), bfloat16 on cuda, and on CPU the checkpoint's own where the CPU computes it
+    natively (a float16 checkpoint in bfloat16, as vLLM's CPU backend does), else float32.
+
+    Raises ValueError for a dtype other than auto/float32/bfloat16/float16.
     """
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
+    if dtype is not None and dtype != "auto":
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {dtype!r}")
+            return DTYPES[dtype], "as asked (--dtype)"
+        if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        return DTYPES[dtype]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return dtype
+        return dtype, "as asked (--dtype)"
+    if device.type == "cuda":
+        return torch.bfloat16, "the default on cuda"
+    stored = checkpoint_dtype(model_dir) if model_dir is not None else None
+    if stored in (torch.bfloat16, torch.float16):
+        name = str(stored).removeprefix("torch.")
+        why = fast_bfloat16(device)
+        if why is not None:
+            return torch.bfloat16, f"the checkpoint's ({name}), computed natively ({why})"
+        return torch.float32, (
+            f"the checkpoint is {name}, but this CPU has neither avx512_bf16 nor AMX: "
+            "bfloat16 would be emulated, slower than float32"
+        )
+    if stored is None:
+        return torch.float32, "the checkpoint's config names no dtype"
+    return torch.float32, "the checkpoint's"
 
 
 # RoPE types served, each exactly as transformers computes it (gpu.model.llama.LlamaFamilyModel
@@ -242,11 +290,11 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the attention block (Q/K/V and output projections, the KV cache, the
     attention itself) and of the weights as loaded, for a model run in ``dtype``.
 
-    bfloat16 on CPU keeps the attention block in float32 and runs only the MLP (87% of a Qwen2
-    layer's weights) in bfloat16: teacher forced on the 0.39B model, the attention's bfloat16
-    roundings were a third of the drift from float32 (top-1 agreement 96.7% -> 97.7%,
-    docs/benchmarks/cpu-levers/README.md) for ~12% of the weight bytes. Elsewhere, ``dtype`` itself."""
-    if dtype == torch.bfloat16 and device.type == "cpu":
+    ``dtype`` itself, except bfloat16 on a CPU without native bfloat16 (:func:`fast_bfloat16`):
+    there only the MLP runs in bfloat16 (the packed bfloat16 kernels need avx512_bf16) and the
+    attention block stays float32. With bfloat16 the residual stream, the norms, RoPE and the LM
+    head are float32 wherever it runs (``gpu.model.llama``)."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and fast_bfloat16(device) is None:
         return torch.float32
     return dtype
 

@@ -57,8 +57,10 @@ async def drive(
     concurrency: int = 256,
     progress: Any = None,
     curve_dir: str | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> tuple[list[Record], float]:
-    """Run every job (honouring arrival offsets and turn order); returns records and wall time."""
+    """Run every job (honouring arrival offsets and turn order); returns records and wall time.
+    ``sampling``: SamplingParams fields every request carries (the wire's default is greedy)."""
     records = {j.rid: Record(j.rid, len(j.prompt), j.tags) for j in jobs}
     done = {j.rid: trio.Event() for j in jobs}
     by_id = {j.rid: j for j in jobs}
@@ -83,6 +85,7 @@ async def drive(
                     max_tokens=job.max_tokens,
                     ignore_eos=True,
                     request_id=job.rid,
+                    **(sampling or {}),
                 ):
                     now = time.perf_counter() - t0
                     if isinstance(msg, cm.Delta):

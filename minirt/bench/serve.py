@@ -100,7 +100,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also run the executor alone and transformers (static, continuous) here",
+        help="also run the executor alone and transformers (static, continuous) here; those "
+        "run greedy: add --temperature 0 for a like-for-like pipeline row",
     )
     p.add_argument(
         "--rounds",
@@ -108,6 +109,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
         default=1,
         help="with --compare: run the pipeline, the executor alone and vLLM this many times, "
         "interleaved; the report gives each round and the medians",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="every request samples at this temperature (seeded per request); the default 1.0 "
+        "is what users' clients get (OpenAI's default; vllm bench serve sends none); 0: greedy",
     )
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--out", help="report directory (default bench-out/WORKLOAD-TIME)")
@@ -235,7 +243,9 @@ def run_once(
         pids = actor_pids(run_dir)
         cpu0 = cpu_now(pids)
         t_start = time.time()
-        records, wall = trio.run(drive, endpoint, jobs, a.concurrency, progress_printer(len(jobs)))
+        records, wall = trio.run(
+            drive, endpoint, jobs, a.concurrency, progress_printer(len(jobs)), None, sampling(a)
+        )
         t_end = time.time()
         cpu = cpu_during(pids, cpu0)
         events = read_events(run_dir)
@@ -256,6 +266,11 @@ def run_once(
     for tag in sorted({t for r in recs for t in r["tags"]}):
         run[f"summary_{tag}"] = {"run": f"{name} ({tag})", **report.summarize(recs, wall, tag)}
     return run
+
+
+def sampling(a: argparse.Namespace) -> dict[str, Any]:
+    """The requests' sampling fields (``--temperature``)."""
+    return {"temperature": a.temperature}
 
 
 def _compare(
@@ -347,7 +362,12 @@ def main(argv: list[str]) -> int:
             runs[name] = run_once(a, name, flags, [Job(**vars(j)) for j in jobs])
     rows = [r["summary"] for r in runs.values()]
     rows += [r[k] for r in runs.values() for k in sorted(r) if k.startswith("summary_")]
-    sections = ["## Results\n", report.table(rows, SUMMARY_COLS)]
+    how = f"temperature {a.temperature:g}" if a.temperature else "greedy (--temperature 0)"
+    sections = [
+        f"Sampling: {how}, EOS ignored.\n",
+        "## Results\n",
+        report.table(rows, SUMMARY_COLS),
+    ]
     ctl = [{"run": n, **r["control"]} for n, r in runs.items()]
     sections += [
         "\n## Time outside the forward (executor step events)\n",

@@ -60,6 +60,8 @@ def test_ratios_are_paired_within_each_round(tmp_path) -> None:
     assert "| 2 | 2 | minirt | 64 | 0 | 118.0 |" in md  # the sweep: rate, round, server
     assert "goodput_req_s" in md and "| 1.8 |" in md
     assert "tcmalloc preloaded" in md and "1 GiB of KV cache" in md
+    # the sampling settings in the header: the client's default samples, as users run it
+    assert "sampling: the client's defaults (it sends no temperature" in md
     assert path == tmp_path / "out" / "README.md"  # the raw data in results/
     saved = json.loads((tmp_path / "out" / "results" / "report.json").read_text())
     assert len(saved["results"]["minirt"]["rounds"]) == 2

@@ -46,6 +46,7 @@ def test_bench_serve_writes_report_with_variants(tiny_model, tmp_path):
         assert 0 < cpu["others_pct"] < 100
     md = (out / "README.md").read_text()
     assert "minirt bench serve" in md and "| fcfs (short) |" in md
+    assert "Sampling: temperature 1, EOS ignored." in md  # sampled by default, as users run
     assert "## CPU seconds during the run, per process" in md
     assert (out / "ttft_cdf.png").stat().st_size > 1000
     assert (out / "throughput_kv.png").stat().st_size > 1000

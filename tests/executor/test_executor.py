@@ -365,6 +365,22 @@ def test_bench_against_another_dtype_reports_paired_rounds(tiny_model, tmp_path)
     assert vs["median_ratio"] == sorted(r["ratio"] for r in vs["rounds"])[1]
 
 
+def test_bench_sampling_cost_times_the_sampler_in_both_modes(tiny_model, tmp_path):
+    """``--sampling-cost 2``: greedy and sampled runs alternate on one executor; each reports
+    the sampler's time per step and its share of the run."""
+    from benchmarks.executor import main
+
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_model), "--quick", "--skip-hf", "--skip-cb", "--json", str(out)]
+    assert main([*argv, "--sampling-cost", "2"]) == 0
+    cost = json.loads(out.read_text())["sampling_cost"]
+    assert cost["sampled_params"] == {"temperature": 1.0} and len(cost["rounds"]) == 2
+    for r in cost["rounds"]:
+        for side in ("greedy", "sampled"):
+            assert r[side]["sampler_ms_per_step"] > 0 and 0 < r[side]["sampler_share"] < 1
+    assert 0 < cost["median_sampler_share"] < 1
+
+
 def test_bench_profile_names_the_c_kernels(tiny_model, tmp_path):
     """``--profile``'s op table says where a step's time goes, the kernel library's operators
     included, each under its own name."""

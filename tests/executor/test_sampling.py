@@ -6,13 +6,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu.logits_processors import LogitsProcessors, apply_processors
 from gpu.model_runner import ModelRunner
 from gpu.sampling import filter_logits, sample
 from messages.common import SamplingParams, validate_params
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 # Chi-square critical values at p = 0.001 by degrees of freedom.
-CHI2_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+CHI2_001 = {
+    1: 10.83,
+    2: 13.82,
+    3: 16.27,
+    4: 18.47,
+    5: 20.52,
+    6: 22.46,
+    7: 24.32,
+    8: 26.12,
+    9: 27.88,
+}
 
 
 def _expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
@@ -63,6 +74,66 @@ def test_sampled_frequencies_fit_the_distribution(kw):
     df = int(kept.sum()) - 1
     if df:
         assert chi2 < CHI2_001[df], (kw, chi2, counts.tolist(), exp.tolist())
+
+
+def _chi2_fits(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    n = counts.sum()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a filtered-out token was sampled"
+    exp = expected[kept] * n
+    chi2 = float(((counts[kept] - exp) ** 2 / exp).sum())
+    df = int(kept.sum()) - 1
+    if df:
+        assert chi2 < CHI2_001[df], (chi2, counts.tolist(), exp.tolist())
+
+
+def test_penalized_frequencies_fit_the_distribution():
+    # prompt [0, 3], then outputs [5, 5] (prior 2): 0, 3 and 5 seen; 5 generated twice
+    params = SamplingParams(
+        temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5
+    )
+    procs = LogitsProcessors.build(params, [0, 3, 5, 5], 2, set(), 8, torch.device("cpu"))
+    assert procs is not None
+    n = 20000
+    x = apply_processors(LOGITS.repeat(n, 1), [(i, procs, 2) for i in range(n)])
+    toks = sample(x, [params] * n, list(range(n)), [7] * n)
+    ref = LOGITS.double().clone()
+    for t in (0, 3, 5):  # repetition penalty, as transformers defines it
+        ref[t] = ref[t] / 1.3 if ref[t] > 0 else ref[t] * 1.3
+    ref[5] -= 0.5 * 2 + 0.5  # frequency and presence, as OpenAI defines them
+    _chi2_fits(torch.bincount(toks, minlength=8).double(), torch.softmax(ref / 0.8, -1))
+
+
+def test_wide_vocabulary_frequencies_fit_the_distribution():
+    # 3,000 tokens in 10 bands of 300: the draw walks blocks of 256 across bands; each band's
+    # mass is known, and a top-p cut falls inside the fourth band
+    band = torch.tensor([3.0, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -4.0]).double()
+    logits = band.repeat_interleave(300) + torch.linspace(0, 0.01, 3000).double()
+    n = 20000
+    for kw in (
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_p=0.8),
+        dict(temperature=1.0, min_p=0.3),
+    ):
+        params = SamplingParams(**kw)
+        toks = sample(logits.float().repeat(n, 1), [params] * n, list(range(n)), [3] * n)
+        x = logits / params.temperature
+        keep = torch.ones(3000, dtype=torch.bool)
+        if params.top_p < 1:
+            p = torch.softmax(x, -1)
+            order = p.argsort(descending=True)
+            before = p[order].cumsum(0) - p[order]
+            keep[order[before >= params.top_p]] = False
+        keep &= torch.softmax(x, -1) >= params.min_p * torch.softmax(x, -1).max()
+        expected = torch.softmax(x.masked_fill(~keep, float("-inf")), -1)
+        counts = torch.bincount(toks // 300, minlength=10).double()
+        per_band = expected.view(10, 300).sum(-1)
+        # the band the top-p cut falls in is part kept: compare the bands either side of it
+        whole = (expected.view(10, 300) > 0).all(-1) | (per_band == 0)
+        assert counts[per_band == 0].sum() == 0, (kw, "a filtered-out token was sampled")
+        got = torch.cat([counts[whole], counts[~whole].sum()[None]])
+        want = torch.cat([per_band[whole], per_band[~whole].sum()[None]])
+        _chi2_fits(got, want / want.sum())
 
 
 def test_filters_directly():
@@ -168,7 +239,9 @@ def test_seeded_request_same_alone_and_in_batch(tiny_model):
         [30, 31, 32, 33, 34] * 9,
         SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True),
     )
+    plain = ([50, 51, 52], SamplingParams(temperature=1.0, seed=77, max_tokens=20, ignore_eos=True))
     alone = _run(ex, {"t": target})["t"]
+    plain_alone = _run(ex, {"u": plain})["u"]
     others = {
         f"o{i}": (
             [40 + i] * (3 + 17 * i),
@@ -179,9 +252,15 @@ def test_seeded_request_same_alone_and_in_batch(tiny_model):
         for i in range(16)
     }
     batch = _run(
-        ex, {**dict(list(others.items())[:7]), "t": target, **dict(list(others.items())[7:])}
+        ex,
+        {
+            **dict(list(others.items())[:7]),
+            "t": target,
+            **dict(list(others.items())[7:]),
+            "u": plain,
+        },
     )
-    assert batch["t"] == alone
+    assert batch["t"] == alone and batch["u"] == plain_alone
     assert len(set(alone)) > 3
     greedy = _run(ex, {"g": (target[0], SamplingParams(max_tokens=20, ignore_eos=True))})["g"]
     assert greedy != alone  # the seeded request really sampled
@@ -224,9 +303,9 @@ def test_plain_batches_skip_the_processors(tiny_model, monkeypatch):
     calls: list[list[int]] = []  # per call: outputs so far of each processed row
     real = gpu.sampling.apply_processors
 
-    def spy(logits, rows, pending=None):
+    def spy(logits, rows, pending=None, inplace=False):
         calls.append([n for _, _, n in rows])
-        return real(logits, rows, pending)
+        return real(logits, rows, pending, inplace)
 
     monkeypatch.setattr(gpu.sampling, "apply_processors", spy)
     ex = ModelRunner(tiny_model, num_blocks=128)
@@ -320,3 +399,40 @@ def test_penalized_request_survives_preemption(tiny_model, temperature, penalty)
         while ex.has_work():
             got += [o.token_id for o in ex.step().outputs if o.token_id is not None]
         assert got == full, cut
+
+
+def test_kernel_and_torch_draw_the_same_tokens(monkeypatch, isa):
+    """The C draw and top-k (gpu/csrc/sample.c), in each instruction-set build this CPU runs,
+    against the torch expressions they replace."""
+    from gpu.model import cpu_ops
+
+    torch.manual_seed(1)
+    x = torch.randn(128, 5000) * 2
+    settings = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.2, top_p=0.5),
+    ]
+    fused = [sample(x, [p] * 128, list(range(128)), [0] * 128) for p in settings]
+    monkeypatch.setattr(cpu_ops, "sample", lambda *a: None)
+    monkeypatch.setattr(cpu_ops, "topk_values", lambda *a: None)
+    for p, got in zip(settings, fused, strict=True):
+        want = sample(x, [p] * 128, list(range(128)), [0] * 128)
+        assert (got == want).sum() >= 127, p  # a float-rounding tie at most
+
+
+def test_masked_tokens_are_never_drawn(isa):
+    """A grammar's -inf (structured output) or a -inf logit_bias: never sampled, at any setting."""
+    x = torch.full((256, 3000), float("-inf"))
+    allowed = torch.tensor([5, 700, 1999, 2998])
+    x[:, allowed] = torch.tensor([0.5, 2.0, -1.0, 1.0])
+    for p in (
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=2.0, top_p=0.99),
+        SamplingParams(temperature=1.0, top_k=100),
+        SamplingParams(temperature=0.5, min_p=0.01),
+    ):
+        got = sample(x, [p] * 256, list(range(256)), [1] * 256)
+        assert set(got.tolist()) <= set(allowed.tolist()), p
+        assert len(set(got.tolist())) >= 2, p
