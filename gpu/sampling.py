@@ -112,23 +112,6 @@ def cut_floors(
     return floor
 
 
-def filter_logits(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
-    """``logits / temperature`` with the tokens the filters remove at -inf (``[B, V]``; a new
-    tensor): the distribution :func:`sample` draws from, as logits."""
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    floor = cut_floors(logits, rows, temperature, top_k, top_p)
-    best = logits.max(dim=-1).values
-    floor = torch.where(min_p > 0, torch.maximum(floor, best + temperature * min_p.log()), floor)
-    x = logits / temperature[:, None]
-    return x.masked_fill(logits < floor[:, None], float("-inf"))
-
-
 def draw(
     logits: torch.Tensor,
     rows: torch.Tensor,

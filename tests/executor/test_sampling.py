@@ -8,7 +8,7 @@ import torch
 
 from gpu.logits_processors import LogitsProcessors, apply_processors
 from gpu.model_runner import ModelRunner
-from gpu.sampling import filter_logits, sample
+from gpu.sampling import cut_floors, sample
 from messages.common import SamplingParams, validate_params
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -136,17 +136,18 @@ def test_wide_vocabulary_frequencies_fit_the_distribution():
         _chi2_fits(got, want / want.sum())
 
 
-def test_filters_directly():
-    x = LOGITS[None]
-    one = torch.ones(1)
-    out = filter_logits(x, one, torch.tensor([2]), one, torch.zeros(1))
-    assert torch.isfinite(out[0]).tolist() == [True, True] + [False] * 6
-    out = filter_logits(x, one, torch.tensor([0]), torch.tensor([0.5]), torch.zeros(1))
+def test_cuts_directly():
+    """top-k and top-p as logit cuts: the tokens at or above the cut are the ones kept."""
+    x, row, one = LOGITS[None], torch.zeros(1, dtype=torch.long), torch.ones(1)
+    cut = cut_floors(x, row, one, torch.tensor([2]), one)
+    assert (cut <= LOGITS).tolist() == [True, True] + [False] * 6
     p = torch.softmax(LOGITS, -1)
-    n_keep = int((p.cumsum(0) - p < 0.5).sum())
-    assert int(torch.isfinite(out[0]).sum()) == n_keep
-    out = filter_logits(x, one, torch.tensor([0]), one, torch.tensor([0.3]))
-    assert torch.isfinite(out[0]).tolist() == (p >= 0.3 * p.max()).tolist()
+    cut = cut_floors(x, row, one, torch.tensor([0]), torch.tensor([0.5]))
+    assert int((cut <= LOGITS).sum()) == int((p.cumsum(0) - p < 0.5).sum())
+    cut = cut_floors(x, row, torch.tensor([2.0]), torch.tensor([0]), torch.tensor([0.5]))
+    hot = torch.softmax(LOGITS / 2.0, -1)  # top-p reads the probabilities at the temperature
+    assert int((cut <= LOGITS).sum()) == int((hot.cumsum(0) - hot < 0.5).sum())
+    assert cut_floors(x, row, one, torch.tensor([0]), one).item() == float("-inf")
 
 
 def test_sampler_is_a_pure_function_of_seed_and_index():
