@@ -30,6 +30,7 @@ from gpu.kernels import isa as kernel_isa
 from gpu.model.from_config import executor_from_config
 from gpu.model.paged_kernel import usable
 from gpu.model_runner import ModelRunner, StepResult
+from gpu.step.budget import step_target
 from gpu.structured.builds import GrammarBuilt, build_grammar
 from messages import executor as xm
 from messages.common import Reconcile
@@ -92,9 +93,9 @@ class ExecutorActor(Actor):
             burst_wait_ms=cfg.executor.burst_wait_ms,
             speculative=dataclasses.asdict(spec) if (spec := self.ex.speculative) else None,
             spec_costs=self.ex.spec_cost.as_dict() if spec else None,
-            step_target_s=round(ad.target_s, 6) if (ad := self.ex.adaptive) else None,
+            step_target_s=round(step_target(self.ex.seed_costs, self.ex.budget.step_target_ms), 6),
             bound_cpus=self.ex.bound_cpus,  # --bind-threads: the CPU of each OpenMP thread
-            step_costs=ad.seed.as_dict() if ad else None,  # the adaptive budget's seed
+            step_costs=self.ex.seed_costs.as_dict(),  # the start's model (the adaptive seed)
         )
 
     @property

@@ -156,14 +156,15 @@ class ModelRunner:
             self.device,
         )
         self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
-        # the adaptive step budget (gpu/step/budget.py): seeded by two forwards timed now
+        # the start's step-time model: two forwards timed now. It seeds the adaptive budget, and
+        # is logged under either policy so a replay can run the run under the other one.
+        run = spec_cost.model_forward(
+            self.model, spec, self.kv_dtype, self.device, block_size, SEED_ROWS, False
+        )
+        self.seed_costs = measure_seed(run)
         self.adaptive: AdaptiveBudget | None = None
         if budget_policy == "adaptive":
-            run = spec_cost.model_forward(
-                self.model, spec, self.kv_dtype, self.device, block_size, SEED_ROWS, False
-            )
-            seed = measure_seed(run)
-            self.adaptive = AdaptiveBudget(seed, step_budget, step_target_ms / 1000.0)
+            self.adaptive = AdaptiveBudget(self.seed_costs, step_budget, step_target_ms / 1000.0)
         # what a step's rows cost, which prices draft rows (gpu/spec/cost.py): timed now
         self.spec_cost = spec_cost.StepCost.flat(spec_rows or 1)
         if self.speculative is not None and not spec_rows:

@@ -88,6 +88,12 @@ def measure_seed(run: Callable[[int], None], reps: int = 3) -> Costs:
     return seed_costs(best(1), best(SEED_ROWS))
 
 
+def step_target(seed: Costs, step_target_ms: float = 0.0) -> float:
+    """The step time the adaptive budget keeps to: ``step_target_ms`` if given, else what a
+    step prefilling ``AUTO_TOKENS`` prompt tokens alone costs by ``seed``."""
+    return step_target_ms / 1000.0 if step_target_ms > 0 else seed.predict(AUTO_TOKENS, 0, 0)
+
+
 class AdaptiveBudget:
     """The per-step prefill cap (see the module doc)."""
 
@@ -95,7 +101,7 @@ class AdaptiveBudget:
         self.seed = seed
         self.costs = seed
         self.step_budget = step_budget
-        self.target_s = target_s if target_s > 0 else seed.predict(AUTO_TOKENS, 0, 0)
+        self.target_s = target_s if target_s > 0 else step_target(seed)
         self.rows: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
         self.since_fit = 0
         self.fits = 0

@@ -34,6 +34,12 @@ KNOB_FLAGS = (
     "budget-policy",
     "step-target-ms",
 )
+# what a recorded run had and a replay can take away (sim.SWITCHES)
+SWITCHES = {
+    "no-spec": "replay without speculative decoding: one token per decode step, the recorded "
+    "drafts not verified",
+    "no-kv-disk": "replay without the disk tier: the prefixes the run loaded are computed",
+}
 
 
 def build_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +48,8 @@ def build_args(p: argparse.ArgumentParser) -> None:
     for flag in KNOB_FLAGS:
         p.add_argument(f"--{flag}", help=f"replay with this {flag} instead of the recorded one")
     p.add_argument("--prefill-first", action="store_true", help="replay with prefill first")
+    for flag, text in SWITCHES.items():
+        p.add_argument(f"--{flag}", action="store_true", help=text)
     p.add_argument(
         "--out",
         help="report directory (default bench-out/replay-TIME); with --fit, where the model goes",
@@ -79,6 +87,9 @@ def knobs_from(a: argparse.Namespace) -> dict[str, Any]:
             knobs[flag] = sim.parse_knob(flag, value)
     if a.prefill_first:
         knobs["decode-first"] = False
+    for flag in SWITCHES:
+        if getattr(a, flag.replace("-", "_")):
+            knobs[flag] = True
     return knobs
 
 
@@ -121,7 +132,7 @@ def step_model(a: argparse.Namespace, rec: workload.Recorded) -> stepmodel.StepM
     stored = model_dir(a) / stepmodel.FILENAME
     if stored.exists():
         return stepmodel.StepModel.load(stored)
-    return stepmodel.fit(rec.steps, source=f"fitted from {rec.source}")
+    return stepmodel.fit(rec.steps, f"fitted from {rec.source}", rec.config.step_costs)
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> int:
@@ -136,6 +147,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
         model = stepmodel.fit_runs(
             [rec.steps] + [o.steps for o in others],
             source="fitted from " + " + ".join([rec.source] + [o.source for o in others]),
+            seed=rec.config.step_costs,
         )
         print(model.summary())
         for note in model.notes:

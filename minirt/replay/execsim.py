@@ -21,7 +21,7 @@ from gpu.disk.io import DiskIO, DiskRead, DiskWritten
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
 from gpu.spec.verify import SpecStats
-from gpu.step.budget import AdaptiveBudget, Costs
+from gpu.step.budget import AdaptiveBudget, Costs, step_target
 from gpu.step.plan import StepBudget, StepPlan, StepShape
 from messages.executor import DiskDrop, Run
 from minirt.replay.loop import Loop
@@ -162,23 +162,27 @@ class SimExecutor:
         spec: Callable[[str], list[tuple[int, int]]] = lambda rid: [],
         draft_tokens: int = 0,
         step_target_s: float = 0.0,
+        step_costs: Costs | None = None,
     ) -> None:
         self.loop = loop
         self.model = model
         self.out_hop_s = out_hop_s
         self.runner = ScriptedRunner(budget, block_size, num_blocks, script, spec)
-        # the adaptive budget, as the executor runs it, seeded from the model that times the
-        # replay's steps (and refitted on them); its target as given, else as the run had it
+        # the adaptive budget, as the executor runs it: seeded as the recorded run's was (the
+        # two forwards its executor timed at start), else from the model that times the
+        # replay's steps; refitted on the replayed steps
         self.adaptive: AdaptiveBudget | None = None
         if budget.budget_policy == "adaptive":
             c = model.coef
-            seed = Costs(
+            seed = step_costs or Costs(
                 max(model.intercept, 1e-6),
                 max(c.get("prefill_tokens", 0.0), 1e-9),
                 max(c.get("decode_tokens", 0.0), 1e-9),
                 c.get("decode_ctx", 0.0),
             )
-            target = budget.step_target_ms / 1000.0 or step_target_s
+            target = step_target(seed, budget.step_target_ms)
+            if step_costs is None and not budget.step_target_ms:
+                target = step_target_s or target  # (an older log's target, without its seed)
             self.adaptive = AdaptiveBudget(seed, budget.step_budget, target)
         io = DiskIO(lambda blocks, payloads: None, block_size) if disk is not None else None
         self.core = ExecutorCore(

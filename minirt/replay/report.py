@@ -12,7 +12,7 @@ from minirt.eventlog import summary as run_summary
 from minirt.eventlog.summary import RESULTS
 from minirt.replay.loop import write_events
 from minirt.replay.sim import Result
-from minirt.replay.stepmodel import StepModel
+from minirt.replay.stepmodel import StepModel, kinds_of
 from minirt.replay.workload import Recorded
 
 COLS = [
@@ -88,6 +88,14 @@ def compare_decisions(rec: Recorded, res: Result, first: int = 100) -> dict[str,
         if len(a) != len(b):
             out["first_difference"] = {"index": min(len(a), len(b)), "length": [len(a), len(b)]}
     return out
+
+
+def _pct(row: dict[str, Any]) -> dict[str, Any]:
+    """A steps-by-kind row with its errors as percentages."""
+    return {
+        k: f"{v:+.1%}" if k == "bias" else f"{v:.1%}" if k == "rel_err_p50" else v
+        for k, v in row.items()
+    }
 
 
 def _run_entry(records: list[dict[str, Any]], kv: list[tuple[float, float]]) -> dict[str, Any]:
@@ -172,6 +180,22 @@ def write(
         "rows": table_rows,
         "replays": {},
     }
+    kinds = {"recorded": kinds_of(rec.steps, model)}
+    for name, res in results.items():
+        kinds[name] = kinds_of([e for e in res.events if e.get("event") == "executor.step"])
+    sections += [
+        "\n## Steps by kind, recorded vs replayed\n",
+        run_summary.table(
+            [{"run": n, "kind": k, **_pct(v)} for n, by in kinds.items() for k, v in by.items()],
+            ["run", "kind", "steps", "p50_ms", "rel_err_p50", "bias"],
+        ),
+    ]
+    sections.append(
+        "\n`rel_err_p50`, `bias`: the step-time model on the recorded steps of that kind (its "
+        "median relative error; its total over theirs). A replay that plans other steps than a "
+        "real run would shows here as another count or median of a kind.\n"
+    )
+    data["step_kinds"] = kinds
     for name, res in results.items():
         fid = fidelity(rec, res)
         dec = compare_decisions(rec, res)

@@ -40,11 +40,17 @@ REPLAYABLE = (
     ("executor", "step_target_ms"),
 )
 KNOBS: dict[str, Option] = {o.flag: o for o in options() if o.path in REPLAYABLE}
+# what a recorded run had and a replay can take away (True: replay without it; the flags'
+# help is in cli.py). The other way needs what the run did not record: the drafts a
+# speculation would have verified, the blocks a disk tier would have held.
+SWITCHES = ("no-spec", "no-kv-disk")
 
 
 def parse_knob(name: str, value: str) -> Any:
+    if name in SWITCHES:
+        return value.lower() in ("1", "true", "yes", "on")
     if name not in KNOBS:
-        raise ValueError(f"unknown knob {name!r}; known: {', '.join(KNOBS)}")
+        raise ValueError(f"unknown knob {name!r}; known: {', '.join([*KNOBS, *SWITCHES])}")
     return KNOBS[name].parse(value, f"--{name}")
 
 
@@ -52,7 +58,12 @@ def configured(base: Config, knobs: dict[str, Any]) -> Config:
     """A copy of ``base`` with ``knobs`` (names as in ``KNOBS``) changed. The executor's
     settings are its step budget's (``max_batch_size`` bounds both the scheduler and it)."""
     cfg = copy.deepcopy(base)
+    if knobs.get("no-kv-disk"):
+        cfg.disk = None
+        cfg.kv.disk_dir, cfg.kv.disk_bytes = "", 0
     for name, value in knobs.items():
+        if name in SWITCHES:
+            continue
         section, fld = KNOBS[name].path
         if section == "scheduler":
             setattr(cfg.scheduler, fld, value)
@@ -159,7 +170,10 @@ def replay(
     def log(actor: str) -> SimLog:
         return SimLog(events, actor, loop, rec.t0)
 
-    seqs = _Sequences(rec.requests, cfg.kv.block_size)
+    specs = rec.requests
+    if (knobs or {}).get("no-spec"):
+        specs = [replace(s, spec=[]) for s in specs]
+    seqs = _Sequences(specs, cfg.kv.block_size)
     kv = SimKV(loop, cfg.kv, cfg.num_blocks, log("kv_manager"))
     sched = SimScheduler(loop, cfg.scheduler, cfg.kv, log("scheduler"))
     ex = SimExecutor(
@@ -175,12 +189,13 @@ def replay(
         cfg.burst_wait_ms / 1000.0,
         cfg.disk,
         seqs.spec,
-        max((d for s in rec.requests for d, _ in s.spec), default=0),
+        max((d for s in specs for d, _ in s.spec), default=0),
         cfg.step_target_s,
+        cfg.step_costs,
     )
     if cfg.disk is not None:  # what the recorded run found on disk: the blocks it loaded
         kv.handle(disk_found(rec.requests, seqs, cfg))
-    front = SimTokenizer(loop, log("tokenizer"), rec.requests, seqs.prompt, rec.client_s)
+    front = SimTokenizer(loop, log("tokenizer"), specs, seqs.prompt, rec.client_s)
     loop.handlers = {
         "scheduler": sched.handle,
         "kv_manager": kv.handle,

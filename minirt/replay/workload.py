@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.runtime.config import KVConfig, SchedulerConfig
+from gpu.step.budget import Costs
 from gpu.step.plan import StepBudget
 from messages.tokenizer import client_request_id
 from minirt.eventlog import read_events
@@ -103,6 +104,7 @@ class Config:
     burst_wait_ms: float = 0.0  # the executor's wait for a burst at idle (0 in older logs)
     disk: DiskModel | None = None  # the prefix cache's disk tier, when the run had one
     step_target_s: float = 0.0  # the adaptive budget's step time, as the run resolved it
+    step_costs: Costs | None = None  # the start's step-time model, timed by the executor
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -166,7 +168,9 @@ def _config(events: list[dict[str, Any]], notes: list[str]) -> Config:
         kv.disk_dir, kv.disk_bytes = "(replay)", disk.capacity
     burst = float(xc.get("burst_wait_ms", 0.0))
     target = float(xc.get("step_target_s") or 0.0)
-    return Config(sched, kv, budget, int(kc["num_blocks"]), burst, disk, target)
+    c = xc.get("step_costs")
+    seed = Costs(c["c0_s"], c["prefill_s"], c["decode_s"], c.get("ctx_s", 0.0)) if c else None
+    return Config(sched, kv, budget, int(kc["num_blocks"]), burst, disk, target, seed)
 
 
 def from_events(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from actors.shared import blockhash, stepfit
+from gpu.step.budget import Costs
 from minirt.bench.driver import Record
 from minirt.replay import runlog, sim, stepmodel, synth, workload
 from minirt.replay.cli import main
@@ -94,6 +95,28 @@ def test_a_fit_that_cannot_see_the_decode_cost_says_so_and_pooling_recovers_it(t
     )
     assert pooled.coef["decode_tokens"] == pytest.approx(law["decode_tokens"], rel=0.05)
     assert pooled.predict(0, 4, 0, 800, 0) == pytest.approx(truth, rel=0.05)
+
+
+def test_a_fit_whose_decode_steps_look_alike_takes_the_per_row_cost_from_the_start() -> None:
+    law = synth.TRUE_STEP
+    # every decode step decodes 64 requests (contexts growing): one batch size, as in a burst
+    shapes = [
+        (p, 64, 1 if p else 0, 64 * c) for p in (0, 0, 256, 512, 1024) for c in range(100, 400, 40)
+    ]
+    full = _steps(law, shapes)
+    truth = law["intercept"] + 4 * law["decode_tokens"] + 800 * law["decode_ctx"]
+    assert abs(stepmodel.fit(full).predict(0, 4, 0, 800, 0) / truth - 1) > 0.3
+    # the executor's start timed raw forwards: faster than served steps, in the same ratio
+    seed = Costs(law["intercept"] / 2, law["prefill_tokens"] / 2, law["decode_tokens"] / 2)
+    tied = stepmodel.fit(full, seed=seed)
+    assert any("tied in the ratio the executor timed at start" in n for n in tied.notes)
+    assert tied.predict(0, 4, 0, 800, 0) == pytest.approx(truth, rel=0.1)  # a batch of 4
+    assert tied.predict(0, 64, 0, 64 * 200, 0) == pytest.approx(
+        law["intercept"] + 64 * law["decode_tokens"] + 64 * 200 * law["decode_ctx"], rel=0.05
+    )
+    # decode steps of varied sizes tell the costs apart: the seed is not used
+    varied = _steps(law, [(0, d, 0, d * c) for d in range(1, 9) for c in (50, 300)])
+    assert not any("tied" in n for n in stepmodel.fit(full + varied, seed=seed).notes)
 
 
 def test_cli_fit_also_pools_another_run(tmp_path, capsys) -> None:
