@@ -1,8 +1,14 @@
-"""Logit processors of the wire ``SamplingParams``: ``logit_bias``, ``min_tokens`` and the
-repetition, frequency and presence penalties.
+"""Logit processors of the wire ``SamplingParams``: ``allowed_token_ids``, bad words,
+``logit_bias``, ``min_tokens`` and the repetition, frequency and presence penalties.
 
-They rewrite a request's raw logits before temperature and the filters (``gpu.sampling``), in
-vLLM's order: logit bias, min-tokens mask, repetition penalty, frequency/presence penalties.
+They rewrite a request's raw logits before temperature and the filters (``gpu.sampling``): the
+masks first (allowed ids, bad words), then vLLM's order: logit bias, min-tokens mask,
+repetition penalty, frequency/presence penalties.
+
+- ``allowed_token_ids``: every other id gets ``-inf``.
+- ``bad_words_ids`` (the front door tokenizes ``bad_words`` into them): a one-token word's id
+  gets ``-inf`` always; a longer word's last token gets it wherever the output so far ends with
+  the word's other tokens.
 
 - ``logit_bias``: ``logits[t] += bias[t]``.
 - ``min_tokens``: while fewer than ``min_tokens`` tokens were generated, the request's stop ids
@@ -38,6 +44,9 @@ class LogitsProcessors:
     request uses."""
 
     __slots__ = (
+        "allowed",
+        "bad_seqs",
+        "bad_single",
         "bias_ids",
         "bias_vals",
         "counts",
@@ -45,6 +54,7 @@ class LogitsProcessors:
         "frequency",
         "min_tokens",
         "presence",
+        "recent",
         "repetition",
         "seen",
         "seen_ids",
@@ -89,6 +99,16 @@ class LogitsProcessors:
         self.stop_ids: torch.Tensor | None = None
         if self.min_tokens > prior and stop:
             self.stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+        self.allowed: torch.Tensor | None = None
+        if params.allowed_token_ids:
+            ids = sorted(set(params.allowed_token_ids))
+            self.allowed = torch.tensor(ids, dtype=torch.long, device=device)
+        # bad words: one-token ones always banned; a longer one's last token after the rest,
+        # matched on the last outputs (``recent``, as long as the longest word's rest)
+        self.bad_single = sorted({w[0] for w in params.bad_words_ids if len(w) == 1})
+        self.bad_seqs = [(tuple(w[:-1]), w[-1]) for w in params.bad_words_ids if len(w) > 1]
+        longest = max((len(rest) for rest, _ in self.bad_seqs), default=0)
+        self.recent = prompt[len(prompt) - prior :][-longest:] if longest else []
 
     @classmethod
     def build(
@@ -107,16 +127,32 @@ class LogitsProcessors:
             or params.repetition_penalty != 1.0
             or bool(params.logit_bias)
             or (params.min_tokens > prior and bool(stop))
+            or bool(params.allowed_token_ids)
+            or bool(params.bad_words_ids)
         )
         return cls(params, prompt, prior, stop, vocab, device) if used else None
 
     def observe(self, token: int) -> None:
         """Count a newly generated token."""
+        if self.bad_seqs:
+            self.recent.append(token)
+            longest = max(len(rest) for rest, _ in self.bad_seqs)
+            del self.recent[:-longest]
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
         if self.seen is not None and token not in self.seen:
             self.seen.add(token)
             self.seen_new.append(token)
+
+    def bad_now(self, pending: list[int]) -> list[int]:
+        """The bad words' tokens banned at the next output (``pending`` generated before it)."""
+        out = list(self.bad_single)
+        if self.bad_seqs:
+            tail = self.recent + pending
+            for rest, last in self.bad_seqs:
+                if len(tail) >= len(rest) and tuple(tail[len(tail) - len(rest) :]) == rest:
+                    out.append(last)
+        return out
 
     def seen_tensor(self, pending: list[int]) -> torch.Tensor:
         """The ids seen (each once), with ``pending``'s unseen ones after them."""
@@ -165,6 +201,18 @@ def _apply(
 ) -> torch.Tensor:
     dev = x.device
     todo = [[] if pending is None else pending[j] for j in range(len(rows))]
+
+    for r, p, _ in rows:
+        if p.allowed is not None:  # every id but these: -inf
+            keep = x[r, p.allowed].clone()
+            x[r].fill_(float("-inf"))
+            x[r, p.allowed] = keep
+
+    bad = [(r, p.bad_now(todo[j])) for j, (r, p, _) in enumerate(rows)]
+    bad = [(r, torch.tensor(ids, dtype=torch.long, device=dev)) for r, ids in bad if ids]
+    if bad:
+        r, t = _flat(bad)
+        x.index_put_((r, t), torch.tensor(float("-inf"), device=dev))
 
     bias = [(r, p.bias_ids, p.bias_vals) for r, p, _ in rows if p.bias_ids is not None]
     if bias:

@@ -34,7 +34,7 @@ from gpu.requests import (
     TokenOutput,
     check_invariants,
 )
-from gpu.sampling import row_logprobs, sample_rows
+from gpu.sampling import row_logprobs, sample_rows, split_scores
 from gpu.spec import config as spec_config
 from gpu.spec import cost as spec_cost
 from gpu.spec.ngram import NgramTokens
@@ -317,8 +317,9 @@ class ModelRunner:
             torch.tensor(batch.pos, dtype=torch.long, device=dev),
             meta,
             self.cache,
-            torch.tensor(batch.logit_rows, dtype=torch.long, device=dev),
+            torch.tensor(batch.logit_rows + batch.score_rows, dtype=torch.long, device=dev),
         )
+        logits, scores = split_scores(logits, batch)  # prompt logprobs: scored and set apart
         masked, mask_s = logits, 0.0
         if masking is not None:
             tm = time.perf_counter()
@@ -381,6 +382,7 @@ class ModelRunner:
             spec=stats,
             prefill_cap=cap,
             refit=refit,
+            prompt=scores,
         )
 
     def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:

@@ -34,6 +34,7 @@ def step_messages(
     ``flight``; each running one records its tokens and the growth it asked for. With
     ``kv_down`` growth is not asked (the successor is asked when it holds)."""
     out_msgs: list[tuple[str, msgspec.Struct]] = []
+    scored = [p for p in result.prompt if p.request_id in flight]  # (before ends leave flight)
     for rid, field, reason in result.failed:
         fl = flight.pop(rid, None)
         if fl is None:
@@ -99,6 +100,6 @@ def step_messages(
                     needed_tokens=must if must < want else 0,
                 )
                 out_msgs.append(("kv_manager", grow))
-    if events:
-        out_msgs.append(("tokenizer", TokenBatch(events=events)))
+    if events or scored:
+        out_msgs.append(("tokenizer", TokenBatch(events=events, prompt=scored)))
     return out_msgs

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from messages.common import SamplingParams
+from messages.tokenizer import PromptScores
 
 if TYPE_CHECKING:
     from gpu.logits_processors import LogitsProcessors
@@ -71,6 +72,7 @@ class StepResult:
     spec: SpecStats | None = None  # the step's speculation; None when speculation is off
     prefill_cap: int | None = None  # the adaptive budget's cap on prompt tokens (None: fixed)
     refit: Costs | None = None  # the adaptive budget's model, when this step refitted it
+    prompt: list[PromptScores] = field(default_factory=list)  # prompt logprobs it scored
 
 
 @dataclass

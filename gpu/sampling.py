@@ -21,9 +21,11 @@ import torch
 from gpu.logits_processors import apply_processors
 from gpu.model import cpu_ops
 from messages.common import SamplingParams
+from messages.tokenizer import PromptScores
 
 if TYPE_CHECKING:
     from gpu.requests import RequestState
+    from gpu.step.batch import StepBatch
 
 _M64 = (1 << 64) - 1
 # a top-p row without top-k looks for its cut among its best tokens first; a full sort of the
@@ -223,3 +225,37 @@ def sample_rows(
             pending = [drafts.get(reqs[i].rid, [])[: offsets[i]] for i, _, _ in procs]
         logits = apply_processors(logits, procs, pending, inplace=scratch)
     return sample(logits, [r.params for r in reqs], [r.seed for r in reqs], at)
+
+
+def prompt_scores(
+    logits: torch.Tensor, scored: list[tuple[RequestState, int, int, int]]
+) -> list[PromptScores]:
+    """The prompt logprobs of a step's scoring rows (``StepBatch.scored``): per request, each
+    scored prompt token's logprob in the raw distribution (float32 log-softmax, as vLLM's
+    ``prompt_logprobs``), its rank, and the ``prompt_logprobs`` most likely tokens."""
+    out = []
+    with torch.inference_mode():
+        for req, start, row, n in scored:
+            lp = torch.log_softmax(logits[row : row + n].float(), dim=-1)
+            target = torch.tensor(req.prompt[start : start + n], device=lp.device)
+            chosen = lp.gather(1, target[:, None])[:, 0]
+            ranks = (lp > chosen[:, None]).sum(dim=1) + 1
+            k = req.params.prompt_logprobs or 0
+            tops: list[list[tuple[int, float]]] = []
+            if k:
+                vals, ids = lp.topk(k, dim=-1)
+                tops = [
+                    list(zip(i, v, strict=True))
+                    for i, v in zip(ids.tolist(), vals.tolist(), strict=True)
+                ]
+            out.append(PromptScores(req.rid, start, chosen.tolist(), ranks.tolist(), tops))
+    return out
+
+
+def split_scores(logits: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, list[PromptScores]]:
+    """A step's logits without its scoring rows (they follow the sampling rows), and the prompt
+    logprobs those rows give (none when the step scores no prompt)."""
+    n = len(batch.logit_rows)
+    if not batch.score_rows:
+        return logits, []
+    return logits[:n], prompt_scores(logits[n:], batch.scored)

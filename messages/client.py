@@ -56,6 +56,18 @@ class Delta(Msg, tag="delta"):
     top_logprobs: list[list[TokenLogprob]] | None = None
 
 
+class PromptLogprobs(Msg, tag="prompt_logprobs"):
+    """The prompt's tokens scored by the prefill (``params.prompt_logprobs``), sent once, before
+    the request's first ``delta``: per prompt token its logprob (the first token's is null),
+    its rank (1: the most likely; null first) and the most likely tokens (``[]`` first)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top_logprobs: list[list[TokenLogprob]] = []
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
@@ -91,7 +103,9 @@ class Batch(Msg, tag="batch"):
     of each that ended). Sent only for requests that asked (``Generate.batch``), and only when
     a step has two or more messages for the connection."""
 
-    items: list[Delta | Final]
+    items: list[PromptLogprobs | Delta | Final]
 
 
-ClientInbound = Welcome | Accepted | Delta | Final | Batch | ErrorReply | Pong | HelloAck
+ClientInbound = (
+    Welcome | Accepted | PromptLogprobs | Delta | Final | Batch | ErrorReply | Pong | HelloAck
+)

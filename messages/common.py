@@ -166,7 +166,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     logits of tokens in the prompt or the output (transformers/vLLM); ``min_tokens`` forbids EOS
     and ``stop_token_ids`` until that many tokens were generated. Their defaults do nothing.
     ``structured`` constrains the answer (``StructuredOutput``); its token mask applies first,
-    before all of the above.
+    before all of the above. ``allowed_token_ids`` and ``bad_words`` (vLLM's) mask tokens out
+    before the bias: every id but the allowed ones; a bad word's last token wherever the output
+    ends with the rest of it.
     """
 
     max_tokens: int = 16
@@ -185,9 +187,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    # vLLM's: only these ids may be sampled (empty: any)
+    allowed_token_ids: list[int] = []
+    # vLLM's: words never generated, as text; the front door tokenizes them into bad_words_ids
+    bad_words: list[str] = []
+    # token sequences never generated: a sequence's last token is banned wherever the output so
+    # far ends with the rest of it (a one-token sequence: everywhere)
+    bad_words_ids: list[list[int]] = []
+    # vLLM's: each prompt token's logprob (and this many top ones) from the prefill; the
+    # request's prompt is then computed whole, not taken from the prefix cache
+    prompt_logprobs: int | None = None
 
 
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 256
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_LOGIT_BIAS = 100.0
 
@@ -230,6 +243,11 @@ def validate_params(p: SamplingParams, vocab_size: int | None = None) -> tuple[s
             f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}",
         ),
         (
+            p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}",
+        ),
+        (
             all(0 <= t < vocab for t in p.stop_token_ids),
             "stop_token_ids",
             "token ids must be >= 0"
@@ -270,6 +288,20 @@ def validate_params(p: SamplingParams, vocab_size: int | None = None) -> tuple[s
     for ok, field, reason in checks:
         if not ok:
             return field, reason
+    outside = " outside the vocabulary" + (
+        f" [0, {vocab_size})" if vocab_size else " (ids are >= 0)"
+    )
+    for name, ids in (
+        ("allowed_token_ids", p.allowed_token_ids),
+        ("bad_words_ids", [t for seq in p.bad_words_ids for t in seq]),
+    ):
+        out = next((t for t in ids if not 0 <= t < vocab), None)
+        if out is not None:
+            return name, f"token id {out}{outside}"
+    if len(p.bad_words) + len(p.bad_words_ids) > MAX_BAD_WORDS:
+        return "bad_words", f"at most {MAX_BAD_WORDS} words"
+    if any(not w.strip() for w in p.bad_words) or any(not s for s in p.bad_words_ids):
+        return "bad_words", "words must not be empty"
     if p.structured is not None:
         return validate_structured(p.structured)
     return None

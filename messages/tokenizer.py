@@ -106,10 +106,24 @@ class TokenEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
 
 
+class PromptScores(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The logprobs of prompt tokens ``start``, ``start + 1``, ... of one request (``start`` >= 1:
+    the first prompt token has none), from one prefill chunk: each token's logprob, its rank in
+    its distribution (1: the most likely), and the ``prompt_logprobs`` most likely tokens."""
+
+    request_id: str
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]] = []
+
+
 class TokenBatch(Msg, tag="tokens"):
-    """Executor -> tokenizer: the tokens one step produced, all requests at once."""
+    """Executor -> tokenizer: the tokens one step produced, all requests at once; ``prompt``:
+    the prompt logprobs its prefill chunks scored (requests with ``params.prompt_logprobs``)."""
 
     events: list[TokenEvent]
+    prompt: list[PromptScores] = []
 
 
 class RequestAdmitted(Msg, tag="admitted"):

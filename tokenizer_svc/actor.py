@@ -224,11 +224,13 @@ class TokenizerActor(Actor):
             now,
             want_logprobs=params.logprobs is not None,
             min_tokens=params.min_tokens,
+            scored_prompt=ids if params.prompt_logprobs is not None else None,
         )
         stream.reading = checked.reading
-        resume = Resume(
-            ids, params, time.time(), grammar=checked.grammar, cache_salt=msg.cache_salt
-        )
+        salt = msg.cache_salt
+        if params.prompt_logprobs is not None:  # its prompt computed whole: a salt of its own
+            salt = f"{salt}\x00prompt_logprobs:{internal}"
+        resume = Resume(ids, params, time.time(), grammar=checked.grammar, cache_salt=salt)
         # a peer died and is being restarted: the request waits, as a resumed one does, and is
         # submitted once the runtime serves (or fails after the resume window, resume.py)
         self.core.start(ident, internal, stream, resume, msg.resume_ids, sorted(self.down), now)

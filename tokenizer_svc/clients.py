@@ -128,7 +128,7 @@ class ClientEndpoint:
                 return
             client.last_send = trio.current_time()
             if self._batch is not None and client.batches:
-                if isinstance(msg, (cm.Delta, cm.Final)):
+                if isinstance(msg, (cm.PromptLogprobs, cm.Delta, cm.Final)):
                     self._batch.setdefault(ident, []).append(msg)
                     return
                 self._flush(ident)

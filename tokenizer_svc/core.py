@@ -120,10 +120,16 @@ class TokenizerCore:
     def tokens(self, msg: TokenBatch, now: float) -> None:
         """One executor step's tokens: a ``delta`` each, and the ends they make."""
         with self.clients.batching():  # one frame per client that takes batches
+            for ps in msg.prompt:  # prompt logprobs: before the first token's delta
+                live = self.live.get(ps.request_id)
+                if live is not None and (scored := live.stream.scored(ps)) is not None:
+                    self.clients.send(live.ident, scored)
             for ev in msg.events:
                 live = self.live.get(ev.request_id)
                 if live is None:
                     continue  # aborted or already ended by a stop string
+                if (scored := live.stream.scored(None)) is not None:
+                    self.clients.send(live.ident, scored)
                 delta, ending = live.stream.token(ev, now)
                 live.resume.progressed = True
                 self.clients.send(live.ident, delta)

@@ -152,6 +152,11 @@ def check_request(
         raise Invalid(
             ErrorCode.INVALID, "stop", f"at most {MAX_STOP_STRINGS} non-empty stop strings"
         )
+    if params.bad_words:
+        params = msgspec.structs.replace(
+            params,
+            bad_words_ids=[*params.bad_words_ids, *bad_words_ids(tokenizer, params.bad_words)],
+        )
     ids = _prompt_ids(msg, tokenizer, vocab_size, prompts)
     _check_length(len(ids), params.max_tokens if not msg.fill_context else 1, max_model_len)
     if msg.fill_context:
@@ -167,6 +172,20 @@ def check_request(
         text = tokenizer.decode(ids[-8:]) if reading.reasoning_parser else ""
         reading = Reading(reading.tool_parser, reading.reasoning_parser, ends_thinking(text))
     return Checked(ids, params, grammar, reading)
+
+
+def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM reads ``bad_words``: the word as given (leading spaces
+    dropped), and again after a space where that tokenizes to as many tokens starting with
+    another one (the word inside a sentence)."""
+    out = []
+    for word in words:
+        bare = list(tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+        out.append(bare)
+        spaced = list(tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return out
 
 
 def _agent(msg: Generate, tokenizer: Any, parsers: Parsers) -> tuple[Generate, Reading]:

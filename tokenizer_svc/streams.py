@@ -19,7 +19,7 @@ from typing import Any
 
 from messages import client as cm
 from messages.scheduler import Completed
-from messages.tokenizer import TokenEvent
+from messages.tokenizer import PromptScores, TokenEvent
 from tokenizer_svc.agent.tools import Reading
 from tokenizer_svc.detok import IncrementalDetokenizer
 from tokenizer_svc.stops import StopMatcher
@@ -48,6 +48,7 @@ class Stream:
         arrival: float,
         want_logprobs: bool = False,
         min_tokens: int = 0,
+        scored_prompt: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
@@ -66,6 +67,33 @@ class Stream:
         self.fewer_cached: dict[int, int] = {}  # attempt -> cached tokens, as the executor found
         self.token_ids: list[int] = []  # every token streamed (what a resume continues after)
         self.reading = Reading()  # how the client reads the output (tools, reasoning)
+        # prompt logprobs asked for: the prompt, and its tokens' scores as chunks bring them
+        self.scored_prompt = scored_prompt
+        self.scores: dict[int, tuple[float | None, int | None, list[tuple[int, float]]]] = {}
+        self.scores_sent = False
+
+    def scored(self, ps: PromptScores | None) -> cm.PromptLogprobs | None:
+        """Fold in one chunk's prompt scores; the client's message once every prompt token
+        past the first is scored (once: a recomputed attempt scores them again). ``None``: the
+        first token came, send what there is (a one-token prompt has no score to wait for)."""
+        prompt = self.scored_prompt
+        if prompt is None or self.scores_sent:
+            return None
+        if ps is not None:
+            for k, (lp, rank) in enumerate(zip(ps.logprobs, ps.ranks, strict=True)):
+                top = ps.top_logprobs[k] if ps.top_logprobs else []
+                self.scores[ps.start + k] = (lp, rank, top)
+            if len(self.scores) < len(prompt) - 1:
+                return None
+        self.scores_sent = True
+        rows = [self.scores.get(i, (None, None, [])) for i in range(1, len(prompt))]
+        return cm.PromptLogprobs(
+            request_id=self.request_id,
+            token_ids=list(prompt),
+            logprobs=[None, *(lp for lp, _, _ in rows)],
+            ranks=[None, *(r for _, r, _ in rows)],
+            top_logprobs=[[], *([cm.TokenLogprob(t, v) for t, v in top] for _, _, top in rows)],
+        )
 
     def prime(self, token_ids: list[int]) -> None:
         """A resumed request: the client already received ``token_ids`` (and their text) from

@@ -37,6 +37,10 @@ class StepBatch:
     offsets: list[int] = field(default_factory=list)  # the row's output index past the next
     # (request, its first logit row, its drafts): each request that samples, in row order
     runs: list[tuple[RequestState, int, list[int]]] = field(default_factory=list)
+    # prompt logprobs: the rows whose logits score prompt tokens (after ``logit_rows``), and per
+    # request (request, its first prompt token scored, where its rows start there, how many)
+    score_rows: list[int] = field(default_factory=list)
+    scored: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
 
 
 def build(
@@ -68,6 +72,13 @@ def build(
         b.ids.extend(req.prompt[s : s + c])
         b.pos.extend(range(s, s + c))
         b.spans.append((req.table, s, c))
+        if req.params.prompt_logprobs is not None:
+            # row p scores prompt token p + 1, up to the client's prompt's last (not outputs
+            # of an earlier attempt; the last row predicts an output)
+            end = min(s + c, len(req.prompt) - req.prior - 1)
+            if end > s:
+                b.scored.append((req, s + 1, len(b.score_rows), end - s))
+                b.score_rows.extend(range(row, row + end - s))
         row += c
         if s + c == len(req.prompt):
             b.runs.append((req, len(b.samplers), _NONE))

@@ -73,6 +73,7 @@ class Result:
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
     preemptions: int = 0
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # params.prompt_logprobs
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -85,6 +86,9 @@ class Result:
             self.token_ids.extend(msg.token_ids)
             if msg.logprobs:
                 self.logprobs.extend(msg.logprobs)
+            return False
+        if isinstance(msg, cm.PromptLogprobs):
+            self.prompt_logprobs = list(msg.logprobs)
             return False
         if isinstance(msg, cm.Final):
             self.finish_reason = msg.finish_reason

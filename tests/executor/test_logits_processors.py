@@ -147,3 +147,41 @@ def test_processors_compose_in_vllm_order():
     ref = _ref_penalties(ref[0], out, 0.6, 0.2)
     assert torch.equal(got[2], ref)
     assert torch.equal(got[:2], logits[:2])
+
+
+def test_allowed_token_ids_match_transformers_prefix_constraint():
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+    logits = _logits(2, seed=11)
+    prompt, out = _history(3, 10, 4)
+    allowed = [5, 17, 40, 63]
+    got = apply_processors(
+        logits, [(1, _built(SamplingParams(allowed_token_ids=allowed), prompt, out), 4)]
+    )
+    ref = PrefixConstrainedLogitsProcessor(lambda _b, _ids: allowed, 1)(
+        torch.tensor([prompt + out]), logits[1:2].clone()
+    )
+    assert torch.equal(got[1], ref[0]) and torch.equal(got[0], logits[0])
+    assert torch.isinf(got[1]).sum() == VOCAB - len(allowed)
+
+
+def test_bad_words_match_transformers_on_the_output():
+    """A one-token word is banned always; a longer word's last token only where the output ends
+    with its other tokens (matched on the output, as vLLM does, not the prompt)."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    logits = _logits(1, seed=13)
+    prompt, out = _history(5, 10, 6)
+    words = [[7], [out[-2], out[-1], 44], [out[-1], 45], [12, 46], [prompt[-1], out[0], 47]]
+    params = SamplingParams(bad_words_ids=words)
+    for prior in (0, 3):  # resumed after a preemption: its earlier outputs came with the prompt
+        got = apply_processors(logits, [(0, _built(params, prompt, out, prior), len(out))])
+        ref = NoBadWordsLogitsProcessor(words, eos_token_id=None)(
+            torch.tensor([out]), logits.clone()
+        )
+        assert torch.equal(got, ref)
+        assert {t for t in range(VOCAB) if torch.isinf(got[0, t])} == {7, 44, 45}
+    # a draft row: the drafts before it count as output
+    procs = _built(params, prompt, out)
+    got = apply_processors(logits, [(0, procs, len(out))], pending=[[12]])
+    assert torch.isinf(got[0, 46]) and not torch.isinf(got[0, 45])

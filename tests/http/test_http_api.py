@@ -245,6 +245,84 @@ def test_logit_bias_and_min_tokens_reach_the_sampler(server, client, tok):
     assert held.usage.completion_tokens >= 4
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(server, client, tok):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenizer_svc.requests import bad_words_ids
+
+    allowed = [77, 78, 301]
+    only = client.completions.create(
+        model=str(server.model), prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3,
+        logprobs=0, extra_body={"allowed_token_ids": allowed},
+    )  # fmt: skip
+    assert set(only.choices[0].logprobs.tokens) <= {tok.decode([t]) for t in allowed}
+    # bad words, greedy: a token of the free answer, banned (as text), against transformers
+    ids = tok(PROMPT)["input_ids"]
+    [free] = hf_greedy(server.model, [ids], 8)
+    # (a token whose text tokenizes back to it: not a piece of a UTF-8 character)
+    word = next(w for t in free if [t] in bad_words_ids(tok, [w := tok.decode([t])]))
+    banned = bad_words_ids(tok, [word])
+    model = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=8, do_sample=False, bad_words_ids=banned,
+        )[0, len(ids):].tolist()  # fmt: skip
+    got = client.completions.create(
+        model=str(server.model), prompt=ids, max_tokens=8, temperature=0,
+        extra_body={"bad_words": [word]},
+    )  # fmt: skip
+    assert got.choices[0].text != tok.decode(free, skip_special_tokens=True)
+    assert got.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, client, tok):
+    """What lm-evaluation-harness sends for a loglikelihood: the prompt echoed with its
+    tokens' logprobs (the first one's null), nothing generated (max_tokens 0)."""
+    ids = tok(PROMPT + " and then another one")["input_ids"]
+    rows = hf_logprobs(server.model, ids[:1], ids[1:])
+    want = [rows[i][ids[i + 1]] for i in range(len(ids) - 1)]
+    kw = dict(model=str(server.model), prompt=ids, echo=True, logprobs=2, temperature=0)
+    out = client.completions.create(max_tokens=0, **kw)
+    [c] = out.choices
+    lp = c.logprobs
+    assert c.text == tok.decode(ids) and c.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want, strict=True)) < 1e-4
+    for i in range(1, len(ids)):  # each position's two most likely, and the token itself
+        best = sorted(range(len(rows[i - 1])), key=lambda t: -rows[i - 1][t])[:2]
+        assert set(lp.top_logprobs[i]) == {tok.decode([t]) for t in best + [ids[i]]}
+    # again: the prompt is not taken from the prefix cache (its logprobs are computed)
+    again = client.completions.create(max_tokens=0, **kw)
+    assert again.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    # with generation: the prompt's entries, then the generated tokens'
+    gen = client.completions.create(max_tokens=3, **{**kw, "logprobs": 0})
+    glp = gen.choices[0].logprobs
+    assert len(glp.tokens) == len(ids) + 3 and glp.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert gen.usage.completion_tokens == 3
+    # vLLM's prompt_logprobs field: by token id, with the rank
+    raw = client.completions.create(
+        model=str(server.model), prompt=ids, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    pl = raw.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for i in range(1, len(ids)):
+        entry = pl[i][str(ids[i])]
+        assert abs(entry["logprob"] - want[i - 1]) < 1e-4
+        assert entry["rank"] == 1 + sum(v > rows[i - 1][ids[i]] for v in rows[i - 1])
+    chat = client.chat.completions.create(
+        model=str(server.model), messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    cpl = chat.model_extra["prompt_logprobs"]
+    assert cpl[0] is None and len(cpl) == chat.usage.prompt_tokens
+
+
 def test_repetition_penalty_equals_transformers(server, client, tok):
     import torch
     from transformers import AutoModelForCausalLM

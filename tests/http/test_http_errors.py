@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 
 import httpx
 import openai
@@ -55,8 +56,19 @@ BAD = [
     (COMP, {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", None),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
     (COMP, {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type", None),
-    (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", None),
+    (COMP, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "stream", None),
+    (COMP, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", None),
     (COMP, {"prompt": [1, 2, 10**6]}, "prompt", None),
+    # fields OpenAI or vLLM define that this server does not implement: never silently ignored
+    (COMP, {"prompt": "x", "use_beam_search": True}, "use_beam_search", None),
+    (COMP, {"prompt": "x", "length_penalty": 0.5}, "length_penalty", None),
+    (COMP, {"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", None),
+    (COMP, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", None),
+    (CHAT, {"messages": MSGS, "echo": True}, "echo", None),
+    (CHAT, {"messages": MSGS, "store": True}, "store", None),
+    (COMP, {"prompt": "x", "allowed_token_ids": [10**6]}, "allowed_token_ids", None),
+    (COMP, {"prompt": "x", "allowed_token_ids": "7"}, "allowed_token_ids", None),
+    (COMP, {"prompt": "x", "bad_words": ["  "]}, "bad_words", None),
     (COMP, {"prompt": ""}, "prompt", None),
     (COMP, {"prompt": []}, "prompt", None),
     (COMP, {"max_tokens": 3}, "prompt", None),
@@ -106,6 +118,22 @@ def test_every_bad_value_is_a_400_naming_the_field(server):
         assert err["type"] == "invalid_request_error" and err["message"]
         assert err["code"] == code, (body, err)
         assert "Traceback" not in r.text
+
+
+def test_fields_asking_for_what_the_server_does_anyway_and_unknown_fields_are_accepted(server):
+    body = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "use_beam_search": False,
+        "skip_special_tokens": True,
+        "store": False,
+        "stop": None,
+        "best_of": 1,
+        "some_future_field": {"a": 1},
+    }
+    r = post(server, COMP, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_malformed_json_and_wrong_shapes_are_400(server):
@@ -251,6 +279,44 @@ async def test_dropped_connections_cancel_and_free_their_blocks(server):
     )
     gone = [e for e in rt.events("http.response") if e.get("disconnected")]
     assert all(e["completion_tokens"] < 1000 for e in gone)
+    await wait_until(lambda: drained(server), timeout=15)
+
+
+async def test_a_plain_request_whose_client_hangs_up_ends_within_one_step(server):
+    """A non-streamed request generating when its client goes away: the executor is stopped
+    (SIGSTOP) from a token on until the hang-up has reached it, so the disconnect lands between
+    two steps however fast the model; once it runs again, at most the step it was in finishes
+    before the request is aborted and its blocks are freed."""
+    rt = server.rt
+    body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    executor = rt.pid_of("executor")
+    aborted, sent = len(rt.events("executor.aborted")), len(rt.events("request.aborted"))
+    async with (
+        httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def hang_up_once_generating() -> None:
+            start = len(rt.events("executor.step"))
+            await wait_until(lambda: len(rt.events("executor.step")) >= start + 5, timeout=15)
+            os.kill(executor, signal.SIGSTOP)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(hang_up_once_generating)
+        await c.post(COMP, json=body)
+        pytest.fail("the request finished before its client hung up")
+    try:
+        # the hang-up seen by the HTTP server and the abort sent on by the scheduler
+        await wait_until(lambda: len(rt.events("request.aborted")) > sent, timeout=15)
+    finally:
+        resumed = time.time()
+        os.kill(executor, signal.SIGCONT)
+    await wait_until(lambda: len(rt.events("executor.aborted")) > aborted, timeout=15)
+    gone = rt.events("executor.aborted")[-1]
+    # steps that ended after it ran again, before the abort: the one it was in, at most
+    late = [e for e in rt.events("executor.step") if resumed < e["ts"] < gone["ts"]]
+    assert len(late) <= 1, late
+    assert gone["reason"] == "cancel" and gone["output_tokens"] < 1000
     await wait_until(lambda: drained(server), timeout=15)
 
 

@@ -21,10 +21,13 @@ from messages.tokenizer import ChatMessage, Generate, Tool, ToolCall
 from minirt.http.errors import invalid
 from minirt.http.model import ModelInfo
 from minirt.http.openai.schemas import (
+    CHAT_NOT_IMPLEMENTED,
+    NOT_IMPLEMENTED,
     ChatCompletionRequest,
     ChatMessageIn,
     CompletionRequest,
     _Sampling,
+    refused_fields,
 )
 from minirt.http.openai.structured import Spelling, structured_of
 
@@ -49,6 +52,8 @@ class Plan:
     continuous_usage: bool = False
     logprobs: int | None = None  # top-n asked for (0: the sampled token's only); None: none
     echo: list[str] = field(default_factory=list)  # per prompt, the text echoed (completions)
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs in the answer
+    score_only: bool = False  # max_tokens 0 (with echo): the prompt scored, no output shown
     spelling: Spelling = field(default_factory=Spelling)  # the constraint's fields, for errors
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -119,13 +124,24 @@ def tools_of(req: ChatCompletionRequest) -> dict[str, Any]:
 
 def _check_common(req: _Sampling, model: ModelInfo) -> None:
     model.check_model(req.model)
+    table = NOT_IMPLEMENTED
+    if isinstance(req, ChatCompletionRequest):
+        table = {**NOT_IMPLEMENTED, **CHAT_NOT_IMPLEMENTED}
+    for name in refused_fields(req, table):
+        raise invalid(name, f"{name}: {table[name][1]}")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "stream_options: only allowed when stream is true")
     if req.best_of is not None and req.best_of > req.n:
         raise invalid("best_of", f"best_of: values above n ({req.n}) are not supported")
 
 
-def _params(req: _Sampling, max_tokens: int, logprobs: int | None, s: Spelling) -> dict:
+def _params(
+    req: _Sampling,
+    max_tokens: int,
+    logprobs: int | None,
+    s: Spelling,
+    prompt_logprobs: int | None = None,
+) -> dict:
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -146,6 +162,9 @@ def _params(req: _Sampling, max_tokens: int, logprobs: int | None, s: Spelling) 
         "repetition_penalty": (req.repetition_penalty, 1.0),
         "min_tokens": (req.min_tokens, 0),
         "logit_bias": (_logit_bias(req), {}),
+        "allowed_token_ids": (list(req.allowed_token_ids or []), []),
+        "prompt_logprobs": (prompt_logprobs, None),
+        "bad_words": (list(req.bad_words or []), []),
     }
     known = SamplingParams.__struct_fields__
     for name, (value, default) in extras.items():
@@ -204,8 +223,14 @@ def plan_completion(req: CompletionRequest, model: ModelInfo, rid: str) -> Plan:
     _check_common(req, model)
     if req.suffix:
         raise invalid("suffix", "suffix: not supported")
+    if req.max_tokens == 0 and not req.echo:
+        raise invalid("max_tokens", "max_tokens: 0 needs echo (the prompt scored, nothing more)")
+    # echo with logprobs: the prompt's tokens and their logprobs lead the answer's (vLLM's)
+    scored = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
-        raise invalid("echo", "echo: prompt logprobs (echo with logprobs) are not supported")
+        scored = max(scored or 0, req.logprobs)
+    if scored is not None and req.stream:
+        raise invalid("stream", "stream: prompt logprobs are answered only without streaming")
     raw = req.prompt
     items: list[str | list[int]]
     if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
@@ -215,10 +240,15 @@ def plan_completion(req: CompletionRequest, model: ModelInfo, rid: str) -> Plan:
     if not items:
         raise invalid("prompt", "prompt: must not be empty")
     prompts: list[Prompt] = [
-        {"prompt": it} if isinstance(it, str) else {"prompt_ids": list(it)} for it in items
+        {"prompt": it, "add_special_tokens": req.add_special_tokens}
+        if isinstance(it, str)
+        else {"prompt_ids": list(it)}
+        for it in items
     ]
     spelling = Spelling()
-    kw = _params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, spelling)
+    # max_tokens 0: one token is generated (the prefill samples it) and not shown
+    max_tokens = 16 if req.max_tokens is None else max(req.max_tokens, 1)
+    kw = _params(req, max_tokens, req.logprobs, spelling, scored)
     echo = []
     if req.echo:
         echo = [it if isinstance(it, str) else model.decode(it) for it in items]
@@ -233,6 +263,8 @@ def plan_completion(req: CompletionRequest, model: ModelInfo, rid: str) -> Plan:
         logprobs=req.logprobs,
         echo=echo,
         spelling=spelling,
+        prompt_logprobs=req.prompt_logprobs,
+        score_only=req.max_tokens == 0,
     )
 
 
@@ -246,7 +278,9 @@ def plan_chat(req: ChatCompletionRequest, model: ModelInfo, rid: str) -> Plan:
         prompt["fill_context"] = True
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     spelling = Spelling(renames=[(r"^tools\[(\d+)\]\.", r"tools[\1].function.")])
-    kw = _params(req, asked or 1, logprobs, spelling)
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("stream", "stream: prompt logprobs are answered only without streaming")
+    kw = _params(req, asked or 1, logprobs, spelling, req.prompt_logprobs)
     opts = req.stream_options
     return Plan(
         kind="chat",
@@ -257,4 +291,5 @@ def plan_chat(req: ChatCompletionRequest, model: ModelInfo, rid: str) -> Plan:
         continuous_usage=bool(opts and opts.continuous_usage_stats),
         logprobs=logprobs,
         spelling=spelling,
+        prompt_logprobs=req.prompt_logprobs,
     )

@@ -2,7 +2,9 @@
 
 Fields are spelled as OpenAI (and vLLM, for its extensions) spell them. Unknown fields are accepted
 and ignored (``extra="ignore"``), as OpenAI-compatible servers do: clients routinely send fields
-such as ``best_of: 1`` or ``stop: null``. Range checks live here so an error names the field by
+such as ``best_of: 1`` or ``stop: null``. A field OpenAI or vLLM defines that this server does not
+implement is refused (400 naming it) unless it asks for what the server does anyway
+(``NOT_IMPLEMENTED``): a client that relies on it must not get a 200 that ignored it. Range checks live here so an error names the field by
 its HTTP name (``temperature``, ``messages[1].content``); what pydantic cannot express (a value
 that depends on the model, a combination of fields) is checked in ``convert``.
 """
@@ -34,8 +36,56 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None  # type "json_schema" (see http/structured.py)
 
 
+# OpenAI's and vLLM's request fields this server does not implement: name -> (the values that
+# ask for nothing this server does not do anyway, why it is refused otherwise)
+NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((None, False), "beam search is not implemented (sample n choices instead)"),
+    "length_penalty": ((None, 1, 1.0), "a beam search setting; beam search is not implemented"),
+    "early_stopping": ((None, False), "a beam search setting; beam search is not implemented"),
+    "truncate_prompt_tokens": ((None,), "not implemented: the prompt is never truncated"),
+    "include_stop_str_in_output": ((None, False), "not implemented"),
+    "skip_special_tokens": ((None, True), "not implemented: special tokens are always skipped"),
+    "spaces_between_special_tokens": ((None, True), "not implemented"),
+    "logits_processors": ((None, []), "custom logits processors are not implemented"),
+    "return_tokens_as_token_ids": ((None, False), "not implemented"),
+    "guided_json": ((None,), "use response_format or structured_outputs"),
+    "guided_regex": ((None,), "use structured_outputs.regex"),
+    "guided_choice": ((None,), "use structured_outputs.choice"),
+    "guided_grammar": ((None,), "use structured_outputs.grammar"),
+    "guided_decoding_backend": ((None,), "use structured_outputs"),
+    "guided_whitespace_pattern": ((None,), "not implemented"),
+    "kv_transfer_params": ((None,), "disaggregated prefill is not implemented"),
+    "mm_processor_kwargs": ((None,), "multimodal inputs are not implemented"),
+    "vllm_xargs": ((None,), "not implemented"),
+    "store": ((None, False), "stored completions are not implemented"),
+    "audio": ((None,), "audio output is not implemented"),
+    "modalities": ((None, ["text"]), "only text output is implemented"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "web_search_options": ((None,), "web search is not implemented"),
+    "reasoning_effort": ((None,), "not implemented: the model's template decides"),
+    "functions": ((None,), "deprecated by OpenAI: use tools"),
+    "function_call": ((None,), "deprecated by OpenAI: use tool_choice"),
+}
+CHAT_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((None, False), "not implemented for chat"),
+    "add_generation_prompt": ((None, True), "not implemented: the prompt always ends open"),
+    "continue_final_message": ((None, False), "not implemented"),
+    "add_special_tokens": ((None, False), "not implemented for chat"),
+    "documents": ((None,), "not implemented"),
+    "chat_template": ((None,), "the model's own chat template is used"),
+}
+
+
+def refused_fields(req: BaseModel, table: dict[str, tuple[tuple[Any, ...], str]]) -> list[str]:
+    """The fields of ``table`` that ``req`` sets to something this server does not do."""
+    extra = req.model_extra or {}
+    return [k for k, (ok, _) in table.items() if k in extra and extra[k] not in ok]
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")  # read for NOT_IMPLEMENTED, otherwise ignored
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -61,13 +111,18 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt scored, nothing more
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (if any) before a text prompt
 
 
 class ContentPart(_Body):

@@ -36,6 +36,7 @@ class Choice:
     first_token_t: float = 0.0
     prompt_tokens: int | None = None  # the front door's count (``Accepted``)
     parser: OutputParser | None = None  # chat with tools or reasoning: how to read the text
+    prompt: cm.PromptLogprobs | None = None  # the prompt's logprobs (params.prompt_logprobs)
 
     def parsed(self, final: bool) -> Parsed:
         if self.parser is None:
@@ -57,6 +58,11 @@ class Choices:
             if msg.tool_parser or msg.reasoning_parser:
                 ch.parser = OutputParser(msg.tool_parser, msg.reasoning_parser, msg.thinking)
             return "", []
+        if isinstance(msg, cm.PromptLogprobs):
+            ch.prompt = msg
+            return "", []
+        if self.plan.score_only and isinstance(msg, cm.Delta):
+            return "", []  # max_tokens 0: the token the prefill sampled is not shown
         if isinstance(msg, cm.Delta):
             ch.text.append(msg.text)
             if ch.parser is not None:
@@ -72,6 +78,8 @@ class Choices:
             return msg.text, new
         if isinstance(msg, cm.Final):
             ch.finish_reason = FINISH.get(msg.finish_reason, "stop")
+            if self.plan.score_only and ch.finish_reason != "abort":
+                ch.finish_reason = "length"  # max_tokens 0 reached
             ch.usage = msg.usage
             ch.timings = msg.timings
             ch.prompt_tokens = msg.usage.prompt_tokens
@@ -131,6 +139,63 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(model: ModelInfo, p: cm.PromptLogprobs | None, n: int) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of an echoed prompt (vLLM's): its tokens, their logprobs
+    (the first one's null), each with the ``n`` most likely (and itself); offsets from 0."""
+    out: dict[str, Any] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    if p is None:
+        return out
+    offset = 0
+    for i, tid in enumerate(p.token_ids):
+        s = model.token_str(tid)
+        lp = p.logprobs[i]
+        out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        if lp is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_lp(lp))
+        top = p.top_logprobs[i] if p.top_logprobs else []
+        d = {model.token_str(t.token_id): _lp(t.logprob) for t in top[:n]}
+        d.setdefault(s, _lp(lp))
+        out["top_logprobs"].append(d)
+    return out
+
+
+def vllm_prompt_logprobs(model: ModelInfo, p: cm.PromptLogprobs | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first: null), the token and the most
+    likely ones, by id: logprob, rank, decoded text."""
+    if p is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for i, tid in enumerate(p.token_ids):
+        lp = p.logprobs[i]
+        if lp is None:
+            out.append(None)
+            continue
+        top = p.top_logprobs[i] if p.top_logprobs else []
+        d = {
+            str(t.token_id): {
+                "logprob": _lp(t.logprob), "rank": r + 1, "decoded_token": model.token_str(t.token_id)
+            }
+            for r, t in enumerate(top)
+        }  # fmt: skip
+        d[str(tid)] = {
+            "logprob": _lp(lp),
+            "rank": p.ranks[i],
+            "decoded_token": model.token_str(tid),
+        }
+        out.append(d)
+    return out
+
+
 def _chat_entry(model: ModelInfo, tid: int, lp: float) -> dict[str, Any]:
     s = model.token_str(tid)
     return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
@@ -151,17 +216,21 @@ def completion_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) ->
     out = []
     for c in sorted(choices.by_index.values(), key=lambda c: c.index):
         echo = plan.echo[c.prompt_index] if plan.echo else ""
-        lps = (
-            completion_logprobs(model, c.logprobs, len(echo)) if plan.logprobs is not None else None
-        )
-        out.append(
-            {
-                "index": c.index,
-                "text": echo + "".join(c.text),
-                "logprobs": lps,
-                "finish_reason": c.finish_reason,
-            }
-        )
+        lps = None
+        if plan.logprobs is not None:
+            lps = completion_logprobs(model, c.logprobs, len(echo))
+            if echo:  # the prompt's entries first (vLLM's echo with logprobs)
+                head = echo_logprobs(model, c.prompt, plan.logprobs)
+                lps = {k: head[k] + lps[k] for k in lps}
+        body = {
+            "index": c.index,
+            "text": echo + "".join(c.text),
+            "logprobs": lps,
+            "finish_reason": c.finish_reason,
+        }
+        if plan.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(model, c.prompt)
+        out.append(body)
     return {
         "id": f"cmpl-{rid}",
         "object": "text_completion",
@@ -214,7 +283,7 @@ def chat_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[
                 "finish_reason": finish_of(c, c.parsed(final=True)),
             }
         )
-    return {
+    body = {
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion",
         "created": plan.created,
@@ -222,6 +291,9 @@ def chat_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[
         "choices": out,
         "usage": choices.usage(),
     }
+    if plan.prompt_logprobs is not None:  # vLLM's, on the response: the one prompt's
+        body["prompt_logprobs"] = vllm_prompt_logprobs(model, choices.by_index[0].prompt)
+    return body
 
 
 def chunk(
