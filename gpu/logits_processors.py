@@ -202,14 +202,14 @@ def _apply(
     dev = x.device
     todo = [[] if pending is None else pending[j] for j in range(len(rows))]
 
-    for r, p, _ in rows:
-        if p.allowed is not None:  # every id but these: -inf
-            keep = x[r, p.allowed].clone()
-            x[r].fill_(float("-inf"))
-            x[r, p.allowed] = keep
+    for row, procs, _ in rows:
+        if procs.allowed is not None:  # every id but these: -inf
+            keep = x[row, procs.allowed].clone()
+            x[row].fill_(float("-inf"))
+            x[row, procs.allowed] = keep
 
-    bad = [(r, p.bad_now(todo[j])) for j, (r, p, _) in enumerate(rows)]
-    bad = [(r, torch.tensor(ids, dtype=torch.long, device=dev)) for r, ids in bad if ids]
+    now = [(row, procs.bad_now(todo[j])) for j, (row, procs, _) in enumerate(rows)]
+    bad = [(row, torch.tensor(ids, dtype=torch.long, device=dev)) for row, ids in now if ids]
     if bad:
         r, t = _flat(bad)
         x.index_put_((r, t), torch.tensor(float("-inf"), device=dev))

@@ -70,7 +70,9 @@ class ClientEndpoint:
         self._connections = itertools.count(1)
         self._requests = itertools.count(1)
         self.log = log
-        self._batch: dict[bytes, list[cm.Delta | cm.Final]] | None = None  # see ``batching``
+        self._batch: dict[bytes, list[cm.PromptLogprobs | cm.Delta | cm.Final]] | None = (
+            None  # see ``batching``
+        )
 
     # ------------------------------------------------------------ requests
     def open(self, ident: bytes, request_id: str, batch: bool = False) -> str | None:
