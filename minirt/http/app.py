@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 from actors.runtime.liveness import host_id, process_alive
 from actors.runtime.ping import ping
 from messages.common import Pong
+from minirt.http.anthropic.routes import messages_routes
 from minirt.http.errors import ApiError, invalid
 from minirt.http.gate import Gate
 from minirt.http.openai.convert import chat_messages, plan_chat, plan_completion
@@ -199,6 +200,7 @@ def build_app(server: Server) -> Gate:
             server.log,
         )
     routes += responses_routes(server, store)
+    routes += messages_routes(server)
     own_auth: tuple[str, ...] = ()
     if server.run_dir:
         try:

@@ -52,7 +52,10 @@ class Gate:
             return True
         got = headers.get(b"authorization", b"")
         scheme, _, token = got.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return True
+        # Anthropic's clients send the key in x-api-key
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -37,6 +37,7 @@ class Choice:
     prompt_tokens: int | None = None  # the front door's count (``Accepted``)
     parser: OutputParser | None = None  # chat with tools or reasoning: how to read the text
     prompt: cm.PromptLogprobs | None = None  # the prompt's logprobs (params.prompt_logprobs)
+    stop_reason: str | None = None  # the stop string that ended it
 
     def parsed(self, final: bool) -> Parsed:
         if self.parser is None:
@@ -82,6 +83,7 @@ class Choices:
                 ch.finish_reason = "length"  # max_tokens 0 reached
             ch.usage = msg.usage
             ch.timings = msg.timings
+            ch.stop_reason = msg.stop_reason
             ch.prompt_tokens = msg.usage.prompt_tokens
         return "", []
 
