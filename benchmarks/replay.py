@@ -97,8 +97,19 @@ def record(model: Path, flags: str, jobs: list[Job], out: Path, name: str) -> di
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(run_dir / "events", dest / "events")
-    recs = [r.summary() for r in records]
+    recs = [_micro(r.summary()) for r in records]
     return {"name": name, "flags": flags, "records": recs, "wall_s": wall}
+
+
+def _micro(x: Any) -> Any:
+    """``x`` with its floats rounded to microseconds (the report's raw data stays small)."""
+    if isinstance(x, float):
+        return round(x, 6)
+    if isinstance(x, list):
+        return [_micro(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _micro(v) for k, v in x.items()}
+    return x
 
 
 def _pass(err: float, target: float) -> str:

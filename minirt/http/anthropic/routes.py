@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -29,7 +28,6 @@ from minirt.http.errors import ApiError
 from minirt.http.openai.respond import JSON, PlanResponse
 from minirt.http.openai.shapes import Choice
 from minirt.http.server import Server, in_flight, read_body, unique_id
-from minirt.http.upstream import choice_messages
 from tokenizer_svc.agent.parse import Parsed
 
 _encode = msgspec.json.Encoder().encode
@@ -96,24 +94,12 @@ def _event(kind: str, **fields: Any) -> bytes:
 class MessagesRun(PlanResponse):
     """One Messages request's plan, answered as Anthropic's ``message`` (or its events)."""
 
-    mid = ""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self.mid = f"msg_{uuid.uuid4().hex[:24]}"
-        self.info["upstream_ids"] = [c.generate.request_id for c in self.plan.choices]
-        error: ApiError | None = None
-        try:
-            async with self.upstream.use() as client, trio.open_nursery() as nursery:
-                async with aclosing(choice_messages(client, self.plan, nursery)) as items:
-                    run = self._stream if self.plan.stream else self._collect
-                    error = await run(scope, receive, send, items, nursery)
-                nursery.cancel_scope.cancel()
-        except ApiError as e:
-            error = e
-        if error is not None:
-            self.info["error"] = error.code or error.type
-            await error_response(error)(scope, receive, send)
-        self._summarize()
+
+    def error_response(self, e: ApiError) -> JSON:
+        return error_response(e)
 
     def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None]):
         c = self.choices.by_index[0]

@@ -67,8 +67,12 @@ class PlanResponse:
             error = e
         if error is not None:
             self.info["error"] = error.code or error.type
-            await error_response(error)(scope, receive, send)
+            await self.error_response(error)(scope, receive, send)
         self._summarize()
+
+    def error_response(self, e: ApiError) -> Response:
+        """The answer to a refusal (OpenAI's error shape; another API's in a subclass)."""
+        return error_response(e)
 
     def _summarize(self) -> None:
         ch = self.choices
