@@ -51,31 +51,23 @@ async def test_sigkill_actor_inflight_requests_resume_then_it_recovers(
                 except RequestError as e:
                     outcomes.append((i, e))
 
-            before = len(rt.events("executor.prefill_done"))  # the reference run's
-            # the front door's requests cannot end first: the executor is stopped a few steps
-            # in while it dies (on a loaded machine the test's reads lag so far behind that
-            # 1,000 tokens of the tiny model could outrun the kill)
-            stopper = await Stopper.start(rt, 8) if front_door else None
+            # the executor is stopped a few steps in while the victim dies: the requests cannot
+            # end first (on a loaded machine the test's reads lag so far behind that the tiny
+            # model's whole batch could outrun the kill)
+            stopper = await Stopper.start(rt, 8)
             try:
                 async with trio.open_nursery() as nursery:
                     for i in range(6):
                         nursery.start_soon(one, i)
-                    if stopper is not None:
-                        await stopper.stopped()
-                    else:  # in flight: a prefill of this batch done (not the reference run's)
-                        await wait_until(
-                            lambda: len(rt.events("executor.prefill_done")) > before, timeout=30
-                        )
+                    await stopper.stopped()
                     old_pid = rt.pid_of(victim)
                     killed_at = time.monotonic()
                     os.kill(old_pid, signal.SIGKILL)
-                    if stopper is not None:
-                        stopper.resume()  # the executor runs on
+                    stopper.resume()  # the executor runs on (or its successor starts)
                     await wait_until(lambda: len(outcomes) == 6, timeout=10 if front_door else 40)
                     ended_after = time.monotonic() - killed_at
             finally:
-                if stopper is not None:
-                    stopper.close()
+                stopper.close()
         if front_door:
             errors = [o for _, o in outcomes if isinstance(o, RequestError)]
             assert len(errors) == 6, outcomes  # 1000 tokens each: none could have finished
