@@ -2,7 +2,8 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and ``GET`` /
 ``DELETE /v1/responses/{id}``: ``responses``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``. Bodies are validated
+``GET /metrics``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``. Bodies are validated
 by the pydantic models of ``schemas``; every refusal is an ``ApiError`` in OpenAI's shape.
 """
 
@@ -164,6 +165,18 @@ def build_app(server: Server) -> Gate:
             )
         return JSON({"prompt": str(m.tokenizer.decode(req.tokens))})
 
+    async def tokenizer_info(request: Request) -> JSON:
+        # vLLM's GET /tokenizer_info: lm-evaluation-harness's API backends tokenize through
+        # the server when it answers this, so an evaluation needs no local copy of the model.
+        tok = server.model.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            value = getattr(tok, name, None)
+            info[name] = None if value is None else str(value)
+        info["chat_template"] = getattr(tok, "chat_template", None)
+        info["model_max_length"] = server.model.max_model_len
+        return JSON(info)
+
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         request.state.info["error"] = exc.code or exc.type
@@ -190,6 +203,7 @@ def build_app(server: Server) -> Gate:
         Route("/server_info", server_info, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
     store = None
     if server.run_dir:
