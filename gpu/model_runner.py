@@ -26,6 +26,7 @@ from gpu.model.attention import build_metadata
 from gpu.model.kv_cache import PagedKVCache, loaded_pool
 from gpu.model.llama import LlamaFamilyModel
 from gpu.model.memory import DEFAULT_GPU_MEMORY_UTILIZATION
+from gpu.pooling import pool
 from gpu.request_table import RequestTable
 from gpu.requests import (
     ExecutorInputError,
@@ -224,12 +225,15 @@ class ModelRunner:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.eos_token_ids)
+        # prompt logprobs and mean pooling read every prompt row: a cached prefix (of their own:
+        # the front door salts them apart) is computed again
+        whole = params.prompt_logprobs is not None or params.pooling == "mean"
         req = RequestState(
             request_id,
             prompt,
             params,
             table,
-            num_cached_tokens,
+            0 if whole else num_cached_tokens,
             seed,
             frozenset(stop),
             prior_output_tokens,
@@ -301,24 +305,16 @@ class ModelRunner:
         drafts = sp.drafts if sp is not None else {}
         batch = step_batch.build(decodes, chunks, drafts)
         samplers = batch.samplers
-        meta = build_metadata(
-            [(r.table, r.computed) for r in batch.plain],
-            batch.spans,
-            self.cache,
-            self.kv_dtype,
-            self.device,
-        )
         dev = self.device
+        plain = [(r.table, r.computed) for r in batch.plain]
+        meta = build_metadata(plain, batch.spans, self.cache, self.kv_dtype, dev)
         t1 = time.perf_counter()
         # the grammar masks (a draft row's past the drafts before it), while the forward runs
         masking = self.structured.start(samplers, batch.offsets, drafts)
-        logits = self.model.forward(
-            torch.tensor(batch.ids, dtype=torch.long, device=dev),
-            torch.tensor(batch.pos, dtype=torch.long, device=dev),
-            meta,
-            self.cache,
-            torch.tensor(batch.logit_rows + batch.score_rows, dtype=torch.long, device=dev),
-        )
+        longs = functools.partial(torch.tensor, dtype=torch.long, device=dev)
+        x = self.model.trunk(longs(batch.ids), longs(batch.pos), meta, self.cache)
+        read = longs(batch.logit_rows + batch.score_rows)
+        logits, pooled = self.model.logits(x, read), pool(self.model, x, batch)  # + embeddings
         logits, scores = split_scores(logits, batch)  # prompt logprobs: scored and set apart
         masked, mask_s = logits, 0.0
         if masking is not None:
@@ -383,6 +379,7 @@ class ModelRunner:
             prefill_cap=cap,
             refit=refit,
             prompt=scores,
+            pooled=pooled,
         )
 
     def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:

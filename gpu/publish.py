@@ -34,7 +34,9 @@ def step_messages(
     ``flight``; each running one records its tokens and the growth it asked for. With
     ``kv_down`` growth is not asked (the successor is asked when it holds)."""
     out_msgs: list[tuple[str, msgspec.Struct]] = []
-    scored = [p for p in result.prompt if p.request_id in flight]  # (before ends leave flight)
+    # (before ends leave flight)
+    scored = [p for p in result.prompt if p.request_id in flight]
+    pooled = [p for p in result.pooled if p.request_id in flight]
     for rid, field, reason in result.failed:
         fl = flight.pop(rid, None)
         if fl is None:
@@ -100,6 +102,6 @@ def step_messages(
                     needed_tokens=must if must < want else 0,
                 )
                 out_msgs.append(("kv_manager", grow))
-    if events or scored:
-        out_msgs.append(("tokenizer", TokenBatch(events=events, prompt=scored)))
+    if events or scored or pooled:
+        out_msgs.append(("tokenizer", TokenBatch(events=events, prompt=scored, pooled=pooled)))
     return out_msgs

@@ -9,10 +9,10 @@ prompt, the cached part is whole blocks); it never validates the client's fields
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from messages.common import SamplingParams
-from messages.tokenizer import PromptScores
+from messages.tokenizer import Pooled, PromptScores
 
 if TYPE_CHECKING:
     from gpu.logits_processors import LogitsProcessors
@@ -73,6 +73,7 @@ class StepResult:
     prefill_cap: int | None = None  # the adaptive budget's cap on prompt tokens (None: fixed)
     refit: Costs | None = None  # the adaptive budget's model, when this step refitted it
     prompt: list[PromptScores] = field(default_factory=list)  # prompt logprobs it scored
+    pooled: list[Pooled] = field(default_factory=list)  # embeddings it completed
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RequestState:
     procs: LogitsProcessors | None = None
     grammar: GrammarState | None = None
     ngram: NgramTokens | None = None
+    pool: Any = None  # an embedding's sum of final hidden states so far (gpu/pooling.py)
 
 
 def check_invariants(

@@ -68,6 +68,14 @@ class PromptLogprobs(Msg, tag="prompt_logprobs"):
     top_logprobs: list[list[TokenLogprob]] = []
 
 
+class Embedding(Msg, tag="embedding"):
+    """The request's embedding (``params.pooling``), sent once, before its ``final``: float32
+    values, little-endian, in ``data``'s bytes (``len(data) // 4`` of them)."""
+
+    request_id: str
+    data: bytes
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
@@ -103,9 +111,18 @@ class Batch(Msg, tag="batch"):
     of each that ended). Sent only for requests that asked (``Generate.batch``), and only when
     a step has two or more messages for the connection."""
 
-    items: list[PromptLogprobs | Delta | Final]
+    items: list[PromptLogprobs | Embedding | Delta | Final]
 
 
 ClientInbound = (
-    Welcome | Accepted | PromptLogprobs | Delta | Final | Batch | ErrorReply | Pong | HelloAck
+    Welcome
+    | Accepted
+    | PromptLogprobs
+    | Embedding
+    | Delta
+    | Final
+    | Batch
+    | ErrorReply
+    | Pong
+    | HelloAck
 )

@@ -197,9 +197,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     # vLLM's: each prompt token's logprob (and this many top ones) from the prefill; the
     # request's prompt is then computed whole, not taken from the prefix cache
     prompt_logprobs: int | None = None
+    # an embedding (a server started with --runner pooling): the prompt's final hidden states
+    # pooled, "last" (its last token's) or "mean" (the mean over its tokens, computed whole, not
+    # from the prefix cache), L2-normalized when ``normalize``; the request ends with its prefill
+    pooling: str | None = None
+    normalize: bool = True
 
 
 MAX_LOGPROBS = 20
+POOLING = (None, "last", "mean")  # SamplingParams.pooling: vLLM's LAST and MEAN pooling types
 MAX_BAD_WORDS = 256
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_LOGIT_BIAS = 100.0
@@ -246,6 +252,11 @@ def validate_params(p: SamplingParams, vocab_size: int | None = None) -> tuple[s
             p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
             "prompt_logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}",
+        ),
+        (
+            p.pooling in POOLING,
+            "pooling",
+            f"must be one of {', '.join(x for x in POOLING if x)} or absent, got {p.pooling!r}",
         ),
         (
             all(0 <= t < vocab for t in p.stop_token_ids),

@@ -118,12 +118,22 @@ class PromptScores(msgspec.Struct, array_like=True, omit_defaults=True):
     top_logprobs: list[list[tuple[int, float]]] = []
 
 
+class Pooled(msgspec.Struct, array_like=True):
+    """The embedding of one request (``params.pooling``), from the step that completed its
+    prefill: float32 values, little-endian, in ``vector``'s bytes."""
+
+    request_id: str
+    vector: bytes
+
+
 class TokenBatch(Msg, tag="tokens"):
     """Executor -> tokenizer: the tokens one step produced, all requests at once; ``prompt``:
-    the prompt logprobs its prefill chunks scored (requests with ``params.prompt_logprobs``)."""
+    the prompt logprobs its prefill chunks scored (requests with ``params.prompt_logprobs``);
+    ``pooled``: the embeddings of the requests whose prefill it completed (``params.pooling``)."""
 
     events: list[TokenEvent]
     prompt: list[PromptScores] = []
+    pooled: list[Pooled] = []
 
 
 class RequestAdmitted(Msg, tag="admitted"):

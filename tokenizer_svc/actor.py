@@ -197,7 +197,13 @@ class TokenizerActor(Actor):
         refuse naming the field."""
         try:
             checked = check_request(
-                msg, self.tokenizer, self.vocab_size, self.max_model_len, self.prompts, self.parsers
+                msg,
+                self.tokenizer,
+                self.vocab_size,
+                self.max_model_len,
+                self.prompts,
+                self.parsers,
+                self.cfg.runner,
             )
         except Invalid as e:
             self.log.info(
@@ -228,8 +234,8 @@ class TokenizerActor(Actor):
         )
         stream.reading = checked.reading
         salt = msg.cache_salt
-        if params.prompt_logprobs is not None:  # its prompt computed whole: a salt of its own
-            salt = f"{salt}\x00prompt_logprobs:{internal}"
+        if params.prompt_logprobs is not None or params.pooling == "mean":
+            salt = f"{salt}\x00whole:{internal}"  # its prompt computed whole: a salt of its own
         resume = Resume(ids, params, time.time(), grammar=checked.grammar, cache_salt=salt)
         # a peer died and is being restarted: the request waits, as a resumed one does, and is
         # submitted once the runtime serves (or fails after the resume window, resume.py)

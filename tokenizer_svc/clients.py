@@ -70,9 +70,9 @@ class ClientEndpoint:
         self._connections = itertools.count(1)
         self._requests = itertools.count(1)
         self.log = log
-        self._batch: dict[bytes, list[cm.PromptLogprobs | cm.Delta | cm.Final]] | None = (
-            None  # see ``batching``
-        )
+        self._batch: (
+            dict[bytes, list[cm.PromptLogprobs | cm.Embedding | cm.Delta | cm.Final]] | None
+        ) = None  # see ``batching``
 
     # ------------------------------------------------------------ requests
     def open(self, ident: bytes, request_id: str, batch: bool = False) -> str | None:
@@ -130,7 +130,7 @@ class ClientEndpoint:
                 return
             client.last_send = trio.current_time()
             if self._batch is not None and client.batches:
-                if isinstance(msg, (cm.PromptLogprobs, cm.Delta, cm.Final)):
+                if isinstance(msg, (cm.PromptLogprobs, cm.Embedding, cm.Delta, cm.Final)):
                     self._batch.setdefault(ident, []).append(msg)
                     return
                 self._flush(ident)

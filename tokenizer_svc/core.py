@@ -124,6 +124,10 @@ class TokenizerCore:
                 live = self.live.get(ps.request_id)
                 if live is not None and (scored := live.stream.scored(ps)) is not None:
                     self.clients.send(live.ident, scored)
+            for p in msg.pooled:  # embeddings: before the (unshown) token's delta
+                if (live := self.live.get(p.request_id)) is not None:
+                    vector = cm.Embedding(request_id=live.stream.request_id, data=p.vector)
+                    self.clients.send(live.ident, vector)
             for ev in msg.events:
                 live = self.live.get(ev.request_id)
                 if live is None:

@@ -118,9 +118,11 @@ def check_request(
     max_model_len: int,
     prompts: Prompts,
     parsers: Parsers = Parsers(),
+    runner: str = "generate",
 ) -> Checked:
     """The request checked, tokenized and its constraint compiled, or raises ``Invalid``
-    naming the field and why."""
+    naming the field and why. ``runner``: the server's ``--runner`` (``pooling``: embeddings
+    only, every request with ``params.pooling``; else none)."""
     given = [n for n in ("prompt", "messages", "prompt_ids") if getattr(msg, n) is not None]
     if len(given) != 1:
         raise Invalid(
@@ -138,6 +140,16 @@ def check_request(
     bad = validate_params(params, vocab_size)
     if bad is not None:
         raise Invalid(ErrorCode.INVALID, f"params.{bad[0]}", bad[1])
+    if (params.pooling is not None) != (runner == "pooling"):
+        why = (
+            "this server was started with --runner pooling: it computes embeddings (set "
+            "params.pooling), it does not generate"
+            if runner == "pooling"
+            else "embeddings need a server started with --runner pooling; this one generates"
+        )
+        raise Invalid(ErrorCode.INVALID, "params.pooling", why)
+    if params.pooling is not None:  # it ends with its prefill (the token sampled there unshown)
+        params = msgspec.structs.replace(params, max_tokens=1, min_tokens=0)
     grammar = ""
     if params.structured is not None:
         try:

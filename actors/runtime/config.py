@@ -224,6 +224,20 @@ class RuntimeConfig:
             "chat template knows <think>, else none"
         ),
     )
+    runner: Literal["generate", "pooling"] = field(
+        default="generate",
+        metadata=doc(
+            "what the model serves (vLLM's --runner): generate, text; pooling, embeddings "
+            "(POST /v1/embeddings) and nothing else"
+        ),
+    )
+    pooler_config: str = field(
+        default="",
+        metadata=doc(
+            'with --runner pooling, vLLM\'s JSON: {"pooling_type": "LAST" or "MEAN", '
+            '"normalize": true or false} (default: LAST, normalized, as vLLM\'s for a causal LM)'
+        ),
+    )
     endpoints: Endpoints = field(default_factory=Endpoints)
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -252,6 +266,28 @@ class RuntimeConfig:
             "server): the executor's threads go first when they compete for the cores (0: equal)"
         ),
     )
+
+    def pooler(self) -> tuple[str, bool]:
+        """``--pooler-config``: the pooling type (``SamplingParams.pooling``) and whether
+        embeddings are normalized; raises ``ValueError`` naming the key."""
+        try:
+            given = json.loads(self.pooler_config) if self.pooler_config.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"pooler_config: not JSON ({e})") from None
+        if not isinstance(given, dict):
+            raise ValueError("pooler_config: expected a JSON object")
+        unknown = sorted(set(given) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(
+                f"pooler_config: unknown keys {unknown}; known: pooling_type, normalize"
+            )
+        kind = str(given.get("pooling_type", "LAST")).lower()
+        if kind not in ("last", "mean"):
+            raise ValueError(f"pooler_config.pooling_type: {kind.upper()!r} is not LAST or MEAN")
+        normalize = given.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config.normalize: expected true or false, got {normalize!r}")
+        return kind, normalize
 
     def resolve(self) -> RuntimeConfig:
         """Fill empty endpoints with ipc sockets under the run dir; make the run dir absolute."""

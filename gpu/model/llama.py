@@ -242,7 +242,6 @@ class LlamaFamilyModel:
                 seen.add(key)
                 lin.warm_up()
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -255,6 +254,30 @@ class LlamaFamilyModel:
 
         Returns float32 logits ``[len(logit_rows), vocab]`` for the rows in ``logit_rows`` only.
         """
+        return self.logits(self.trunk(input_ids, positions, meta, cache), logit_rows)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of ``rows`` of ``trunk``'s residual stream ``x``."""
+        h = rms_norm(x[rows], self.norm, self.spec.rms_norm_eps).to(self.lm_head.dtype)
+        return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def hidden(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (after the last norm: what the head reads) of ``rows`` of
+        ``trunk``'s residual stream ``x``, in float32: what embeddings pool."""
+        return rms_norm(x[rows], self.norm, self.spec.rms_norm_eps).float()
+
+    @torch.inference_mode()
+    def trunk(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Run ``[T]`` tokens at ``positions`` through every layer, writing their K/V into
+        ``cache``: the residual stream ``[T, hidden]`` after the last layer."""
         spec = self.spec
         eps = spec.rms_norm_eps
         t = input_ids.shape[0]
@@ -288,5 +311,4 @@ class LlamaFamilyModel:
                 xs = x[r : r + tile]  # a view: the adds below write into x
                 xs += ly.o(attn[r : r + tile])
                 xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
-        h = rms_norm(x[logit_rows], self.norm, eps).to(self.lm_head.dtype)
-        return self.lm_head(h).float()
+        return x

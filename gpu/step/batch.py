@@ -41,6 +41,10 @@ class StepBatch:
     # request (request, its first prompt token scored, where its rows start there, how many)
     score_rows: list[int] = field(default_factory=list)
     scored: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # embeddings: the rows whose final hidden states are pooled, and per request (request, where
+    # its rows start there, how many, whether this step completes its prompt)
+    pool_rows: list[int] = field(default_factory=list)
+    pools: list[tuple[RequestState, int, int, bool]] = field(default_factory=list)
 
 
 def build(
@@ -79,6 +83,11 @@ def build(
             if end > s:
                 b.scored.append((req, s + 1, len(b.score_rows), end - s))
                 b.score_rows.extend(range(row, row + end - s))
+        if (pooling := req.params.pooling) is not None:
+            done = s + c == len(req.prompt)
+            rows = range(row, row + c) if pooling == "mean" else range(row + c - done, row + c)
+            b.pools.append((req, len(b.pool_rows), len(rows), done))
+            b.pool_rows.extend(rows)
         row += c
         if s + c == len(req.prompt):
             b.runs.append((req, len(b.samplers), _NONE))

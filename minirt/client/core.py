@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,7 @@ class Result:
     stop_reason: str | None = None
     preemptions: int = 0
     prompt_logprobs: list[float | None] = field(default_factory=list)  # params.prompt_logprobs
+    embedding: list[float] = field(default_factory=list)  # params.pooling (--runner pooling)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -89,6 +91,9 @@ class Result:
             return False
         if isinstance(msg, cm.PromptLogprobs):
             self.prompt_logprobs = list(msg.logprobs)
+            return False
+        if isinstance(msg, cm.Embedding):
+            self.embedding = array("f", msg.data).tolist()  # (little-endian, as x86 and arm)
             return False
         if isinstance(msg, cm.Final):
             self.finish_reason = msg.finish_reason

@@ -69,6 +69,8 @@ class HttpActor(Actor):
             body_timeout_s=self.settings.body_timeout_s,
             responses_max_count=self.settings.responses_max_count,
             responses_max_bytes=self.settings.responses_max_bytes,
+            runner=self.cfg.runner,
+            pooler=self.cfg.pooler(),
         )
         nursery.start_soon(self.upstream.run)
         app = cast(Any, build_app(server))

@@ -1,6 +1,7 @@
 """The Starlette app: routes of the OpenAI-compatible API and the service endpoints.
 
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and ``GET`` /
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings`` (a server
+started with ``--runner pooling``), ``POST /v1/responses`` (and ``GET`` /
 ``DELETE /v1/responses/{id}``: ``responses``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /tokenizer_info``. Bodies are validated
@@ -27,11 +28,13 @@ from minirt.http.anthropic.routes import messages_routes
 from minirt.http.errors import ApiError, invalid
 from minirt.http.gate import Gate
 from minirt.http.openai.convert import chat_messages, plan_chat, plan_completion
+from minirt.http.openai.embeddings import plan_embedding
 from minirt.http.openai.respond import JSON, PlanResponse, error_response
 from minirt.http.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from minirt.http.responses.routes import responses_routes
@@ -46,7 +49,19 @@ def build_app(server: Server) -> Gate:
     async def run_plan(request: Request, kind: str) -> Any:
         rid = request.state.request_id
         base = unique_id(server, rid)
-        if kind == "chat":
+        pooling = server.runner == "pooling"
+        if (kind == "embedding") != pooling:
+            raise ApiError(
+                400,
+                "this server was started with --runner pooling: it answers POST /v1/embeddings only"
+                if pooling
+                else "embeddings need a server started with --runner pooling; this one generates",
+                code="runner",
+            )
+        if kind == "embedding":
+            emb = await read_body(request, EmbeddingRequest, server.body_timeout_s)
+            plan = plan_embedding(emb, server.model, base, server.pooler)
+        elif kind == "chat":
             chat = await read_body(request, ChatCompletionRequest, server.body_timeout_s)
             plan = plan_chat(chat, server.model, base)
         else:
@@ -61,6 +76,9 @@ def build_app(server: Server) -> Gate:
 
     async def chat_completions(request: Request) -> Any:
         return await run_plan(request, "chat")
+
+    async def embeddings(request: Request) -> Any:
+        return await run_plan(request, "embedding")
 
     async def models(request: Request) -> JSON:
         m = server.model
@@ -196,6 +214,7 @@ def build_app(server: Server) -> Gate:
     routes: list[BaseRoute] = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -41,6 +41,8 @@ class Server:
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
     responses_max_count: int = 1000  # stored /v1/responses (under run_dir/responses) kept
     responses_max_bytes: int = 64 * 1024 * 1024
+    runner: str = "generate"  # --runner: pooling answers /v1/embeddings and nothing else
+    pooler: tuple[str, bool] = ("last", True)  # --pooler-config: the pooling type, normalized
 
 
 async def read_body(request: Request, model: type[B], timeout_s: float) -> B:

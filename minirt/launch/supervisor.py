@@ -25,6 +25,7 @@ def prepare(cfg: RuntimeConfig) -> Path:
     RUN_DIR/config.json (children read it)."""
     from gpu.model.kv_cache import resolve_serving
 
+    cfg.pooler()  # a bad --pooler-config fails here, naming its key
     resolve_serving(cfg)
     cfg.resolve()
     run = Path(cfg.run_dir)

@@ -44,7 +44,7 @@ class ChoiceSpec:
 
 @dataclass
 class Plan:
-    kind: Literal["completion", "chat"]
+    kind: Literal["completion", "chat", "embedding"]
     num_prompts: int
     choices: list[ChoiceSpec]
     stream: bool = False
@@ -53,8 +53,9 @@ class Plan:
     logprobs: int | None = None  # top-n asked for (0: the sampled token's only); None: none
     echo: list[str] = field(default_factory=list)  # per prompt, the text echoed (completions)
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs in the answer
-    score_only: bool = False  # max_tokens 0 (with echo): the prompt scored, no output shown
+    score_only: bool = False  # max_tokens 0 (with echo), embeddings: no output shown
     spelling: Spelling = field(default_factory=Spelling)  # the constraint's fields, for errors
+    encoding_format: str = "float"  # embeddings: "float" or "base64" (float32 bytes)
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -23,6 +23,7 @@ from messages import client as cm
 from minirt.http.errors import ApiError
 from minirt.http.model import ModelInfo
 from minirt.http.openai.convert import Plan
+from minirt.http.openai.embeddings import embedding_body
 from minirt.http.openai.shapes import Choices, chat_body, completion_body
 from minirt.http.openai.sse import StreamWriter, body
 from minirt.http.upstream import Upstream, choice_messages
@@ -126,8 +127,9 @@ class PlanResponse:
                 return msg
             self.choices.feed(index, msg, trio.current_time())
         watch.cancel()  # a disconnect from here on loses nothing
-        make = chat_body if self.plan.kind == "chat" else completion_body
-        await JSON(make(self.plan, self.choices, self.model, self.rid))(scope, receive, send)
+        make = {"chat": chat_body, "completion": completion_body, "embedding": embedding_body}
+        body = make[self.plan.kind](self.plan, self.choices, self.model, self.rid)
+        await JSON(body)(scope, receive, send)
         return None
 
     async def _stream(

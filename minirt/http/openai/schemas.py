@@ -185,6 +185,27 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings request, with vLLM's ``add_special_tokens`` and ``normalize``."""
+
+    model_config = ConfigDict(extra="allow")  # read for EMBED_NOT_IMPLEMENTED, otherwise ignored
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # None: --pooler-config's
+    priority: int = 0
+
+
+EMBED_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "truncate_prompt_tokens": ((None,), "not implemented: the input is never truncated"),
+    "use_activation": ((None,), "not implemented (no activation after pooling)"),
+}
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None

@@ -38,6 +38,7 @@ class Choice:
     parser: OutputParser | None = None  # chat with tools or reasoning: how to read the text
     prompt: cm.PromptLogprobs | None = None  # the prompt's logprobs (params.prompt_logprobs)
     stop_reason: str | None = None  # the stop string that ended it
+    embedding: bytes = b""  # float32 values (params.pooling)
 
     def parsed(self, final: bool) -> Parsed:
         if self.parser is None:
@@ -61,6 +62,9 @@ class Choices:
             return "", []
         if isinstance(msg, cm.PromptLogprobs):
             ch.prompt = msg
+            return "", []
+        if isinstance(msg, cm.Embedding):
+            ch.embedding = msg.data
             return "", []
         if self.plan.score_only and isinstance(msg, cm.Delta):
             return "", []  # max_tokens 0: the token the prefill sampled is not shown
