@@ -122,6 +122,9 @@ class ExecutorActor(Actor):
         while True:
             t0 = time.perf_counter()
             idle = not self.ex.has_work()
+            # what reached the socket during the step (an abort) is read now, not after the next
+            # step: the inbox reader task may not have run since the step's outcome woke us
+            self.drain_inbox()
             self._drain()
             if core.gathers(idle):
                 await self._gather_burst()
