@@ -110,15 +110,17 @@ def chaos_run(tiny_model, tmp_path, total: int, clients: int, kill_every: float)
     assert set(kinds) <= {"stop", "length", "abort", "aborted", "overloaded", "refused"}, kinds
     assert set(ends) == set(outcomes) and max(ends.values()) == 1  # each ended exactly once
     # token for token what the calm run gave, for every request finished in both
-    # (each run refuses a different few hundred as overloaded, so the overlap is what the
-    # comparison can cover: hundreds of streams, never nothing)
+    # (each run refuses most requests as overloaded, and which ones is timing, so the overlap
+    # is what the comparison can cover: at least half what chance alone would leave, never
+    # nothing; CI's 2-core machine left 185 of 2,000)
     # (how many finish between kills 1.5 s apart depends on the machine's speed: on this
     # project's 2-core machine 444-622 of 2,000 in runs minutes apart, the calm run 567-606;
     # so the bar is relative to the calm run on the same machine)
     finished = len(chaos["tokens"])
     assert finished > len(calm["tokens"]) // 2, f"too few finished under the kills: {finished}"
     both = [r for r in chaos["tokens"] if r in calm["tokens"]]
-    assert len(both) > total // 10
+    by_chance = finished * len(calm["tokens"]) / total
+    assert len(both) > max(50, by_chance / 2), (len(both), by_chance)
     differ = [r for r in both if chaos["tokens"][r] != calm["tokens"][r]]
     assert not differ, differ[:5]
     s = chaos["stats"]  # soak() waited for: check passes, 0 blocks in use, 0 running
@@ -138,6 +140,7 @@ def chaos_run(tiny_model, tmp_path, total: int, clients: int, kill_every: float)
         f"({len(cut)} cut short, recomputing {sum(e['recomputed_tokens'] for e in cut)} tokens; "
         f"by reason {dict(collections.Counter(e['reason'].split(' (')[0] for e in resumed))}), "
         f"kv rebuilds {len(rebuilt)}, reconciliations {len(reconciled)}, "
+        f"{len(both)} streams compared with the calm run's, "
         f"outcomes {dict(kinds)}, wall {calm['elapsed']:.1f}s calm / "
         f"{chaos['elapsed']:.1f}s chaos\n"
         + "\n".join(f"  {k}: {calm_l[k]:.3f}s calm, {chaos_l[k]:.3f}s chaos" for k in calm_l)
