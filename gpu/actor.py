@@ -27,13 +27,14 @@ from actors.runtime.config import RuntimeConfig
 from gpu.core import ExecutorCore
 from gpu.disk import jobs as disk_jobs
 from gpu.kernels import isa as kernel_isa
+from gpu.lora.cache import AdapterCache, load_adapter
 from gpu.model.from_config import executor_from_config
 from gpu.model.paged_kernel import usable
 from gpu.model_runner import ModelRunner, StepResult
 from gpu.step.budget import step_target
 from gpu.structured.builds import GrammarBuilt, build_grammar
 from messages import executor as xm
-from messages.common import Reconcile
+from messages.common import LoraRef, Reconcile
 
 
 class ExecutorActor(Actor):
@@ -45,6 +46,10 @@ class ExecutorActor(Actor):
         self.ex = executor or executor_from_config(cfg)
         self.grammars = self.ex.structured.cache
         spec = self.ex.speculative  # room for a step's drafts, asked beyond the lookahead
+        loras = None
+        if cfg.lora.enable_lora:
+            loras = AdapterCache(cfg.lora.resident, self.ex.requests.loras_in_use)
+            self.ex.adapter = loras.get
         self.store = disk_jobs.open_store(cfg, self.ex) if cfg.kv.disk_dir else None
         self.core = ExecutorCore(
             self.ex,
@@ -54,6 +59,7 @@ class ExecutorActor(Actor):
             grammars=self.grammars,
             draft_tokens=spec.num_speculative_tokens if spec is not None else 0,
             disk=disk_jobs.ledger(self.ex) if self.store is not None else None,
+            loras=loras,
         )
         self.flight = self.core.flight
         self.nursery: trio.Nursery | None = None
@@ -172,6 +178,11 @@ class ExecutorActor(Actor):
                     self.core.apply(GrammarBuilt(run, build_grammar(self.grammars, run), 0.0))
                 else:
                     self.nursery.start_soon(self._build, run)
+            for ref in self.core.take_loras():
+                if self.nursery is None:
+                    self.core.apply(load_adapter(ref))
+                else:
+                    self.nursery.start_soon(self._load_lora, ref)
             for work in self.core.take_disk():
                 assert self.store is not None
                 job = functools.partial(disk_jobs.do, self.store, self.ex, work)
@@ -205,6 +216,10 @@ class ExecutorActor(Actor):
         t0 = time.perf_counter()
         result = await trio.to_thread.run_sync(build_grammar, self.grammars, run)
         self.mailbox.append(GrammarBuilt(run, result, time.perf_counter() - t0))
+        self.wake.set()
+
+    async def _load_lora(self, ref: LoraRef) -> None:
+        self.mailbox.append(await trio.to_thread.run_sync(load_adapter, ref))
         self.wake.set()
 
     def _flush(self) -> None:

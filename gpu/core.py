@@ -32,7 +32,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from actors.shared.grammar import Compiled, GrammarCache, GrammarError
+from actors.shared.lora import LoraError
 from gpu.disk.io import DiskIO, DiskRead, DiskWritten
+from gpu.lora.cache import AdapterCache, LoraLoaded
 from gpu.publish import step_messages
 from gpu.recovery import Recovery
 from gpu.request_table import RequestTable
@@ -43,6 +45,7 @@ from gpu.step.plan import burst_end
 from gpu.structured.builds import GrammarBuilt, MatcherBuilds
 from messages import executor as xm
 from messages import kv
+from messages.common import LoraRef
 from messages.scheduler import PrefillDone, RequestDone
 from messages.tokenizer import RequestAdmitted
 
@@ -67,6 +70,7 @@ class ExecutorCore:
         grammars: GrammarCache | None = None,
         draft_tokens: int = 0,
         disk: DiskIO | None = None,
+        loras: AdapterCache | None = None,
     ) -> None:
         self.runner = runner
         self.state = CoreState(
@@ -75,7 +79,9 @@ class ExecutorCore:
             clock,
             MatcherBuilds(grammars) if grammars is not None else None,
             disk,
+            loras,
         )
+        self.loras = loras
         self.requests = runner.requests
         self.lookahead = lookahead_tokens
         self.draft_tokens = draft_tokens  # speculative decoding: drafts a step may verify
@@ -106,6 +112,11 @@ class ExecutorCore:
         (``gpu.structured.builds.build_grammar``) and hand back as ``GrammarBuilt``."""
         return self.builds.take() if self.builds is not None else []
 
+    def take_loras(self) -> list[LoraRef]:
+        """The LoRA adapters the driver is to load (``gpu.lora.cache.load_adapter``) and hand
+        back as ``LoraLoaded``."""
+        return self.loras.take() if self.loras is not None else []
+
     def take_disk(self) -> list[xm.Run | xm.DiskSave | xm.DiskDrop]:
         """The disk-tier work for the driver's worker threads (``gpu/disk/io.py``): runs whose
         files to read (answered with ``DiskRead``), saves (``DiskWritten``) and deletes."""
@@ -121,6 +132,9 @@ class ExecutorCore:
         if isinstance(msg, GrammarBuilt):
             if self.builds is not None and self.builds.done(msg):  # else dropped since
                 self._built(msg.run, msg.result, msg.seconds, cache_hit=False)
+            return
+        if isinstance(msg, LoraLoaded):
+            self._lora_loaded(msg)
             return
         if isinstance(msg, (DiskRead, DiskWritten, xm.DiskSave, xm.DiskDrop)):
             self._disk(msg)
@@ -152,6 +166,7 @@ class ExecutorCore:
 
     def _stop_building(self, rid: str, attempt: int | None = None) -> bool:
         loading = self.disk is not None and self.disk.drop(rid, attempt)
+        loading = loading or (self.loras is not None and self.loras.drop(rid, attempt))
         return loading or (self.builds is not None and self.builds.drop(rid, attempt))
 
     def _disk(self, msg: DiskRead | DiskWritten | xm.DiskSave | xm.DiskDrop) -> None:
@@ -213,7 +228,44 @@ class ExecutorCore:
         self._go(msg)
 
     def _go(self, msg: xm.Run) -> None:
-        """Start a run whose cached prefix is in its blocks: now, or once its matcher is built."""
+        """Start a run whose cached prefix is in its blocks: now, or once its adapter is
+        resident and its matcher built."""
+        waits = msg.params.lora is not None and self.loras is not None
+        if waits and self.loras.start(msg) is None:  # type: ignore[union-attr]
+            return  # started once its adapter is loaded (LoraLoaded)
+        self._match(msg)
+
+    def _lora_loaded(self, msg: LoraLoaded) -> None:
+        assert self.loras is not None
+        runs, evicted = self.loras.done(msg)
+        ref = msg.ref
+        for a in evicted:
+            self.log.info("executor.lora_evicted", lora=a.name, digest=a.key)
+        if isinstance(msg.result, LoraError):
+            self.log.warning(
+                "executor.lora_failed",
+                lora=ref.name,
+                field=msg.result.field,
+                reason=msg.result.reason,
+            )
+            for run in runs:
+                self._reject(run, ExecutorInputError(run.request_id, "lora", str(msg.result)))
+            return
+        self.log.info(
+            "executor.lora_loaded",
+            lora=ref.name,
+            digest=ref.digest,
+            rank=ref.rank,
+            bytes=msg.result.nbytes(),
+            seconds=round(msg.seconds, 6),
+            resident=len(self.loras.resident),
+            waiting_runs=len(runs),
+        )
+        for run in runs:
+            self._match(run)
+
+    def _match(self, msg: xm.Run) -> None:
+        """Start a run now, or once its matcher is built."""
         if msg.params.structured is None or self.builds is None:
             self._start(msg, None)
             return
@@ -271,6 +323,7 @@ class ExecutorCore:
             prompt_tokens=len(msg.prompt_ids),
             cached_tokens=msg.cached_tokens,
             blocks=len(msg.block_table),
+            **({"lora": msg.params.lora.name} if msg.params.lora is not None else {}),
         )
 
     def _end(self, rid: str, status: str) -> Flight:
@@ -349,6 +402,7 @@ class ExecutorCore:
             prefill_ctx=result.prefill_ctx,
             **spec_fields(result.spec),
             **({} if result.prefill_cap is None else {"prefill_cap": result.prefill_cap}),
+            **({"loras": result.loras} if result.loras else {}),
         )
         if result.refit is not None:  # the adaptive budget's model, refitted on its steps
             self.log.info("executor.step_model", step=self.steps, **result.refit.as_dict())

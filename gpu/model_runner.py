@@ -16,11 +16,14 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from actors.shared.grammar import Compiled
+from actors.shared.lora import ModelDims
 from gpu.logits_processors import LogitsProcessors
+from gpu.lora.slots import LoraBatch, LoraSlots
 from gpu.model import cpu_tuning, loader
 from gpu.model.attention import build_metadata
 from gpu.model.kv_cache import PagedKVCache, loaded_pool
@@ -91,6 +94,8 @@ class ModelRunner:
         budget_policy: str = "fixed",
         step_target_ms: float = 0.0,
         bind_threads: bool = False,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -157,6 +162,27 @@ class ModelRunner:
             self.device,
         )
         self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
+        # LoRA (--enable-lora): --max-loras slots of adapter factors a step's rows use; the
+        # adapters resident in host memory are the executor core's (gpu/lora/cache.py)
+        self.lora_slots: LoraSlots | None = None
+        if max_loras > 0:
+            self.requests.max_loras = max_loras
+            self.lora_slots = LoraSlots(
+                ModelDims(
+                    spec.hidden_size,
+                    spec.intermediate_size,
+                    spec.num_layers,
+                    spec.num_heads * spec.head_dim,
+                    spec.num_kv_heads * spec.head_dim,
+                ),
+                max_loras,
+                max_lora_rank,
+                self.model.attn_dtype,
+                self.model.mlp_dtype,
+                self.device,
+            )
+        # a run's adapter by digest, resident (set by the executor core's adapter cache)
+        self.adapter: Callable[[str], Any] = lambda key: None
         # the start's step-time model: two forwards timed now. It seeds the adaptive budget, and
         # is logged under either policy so a replay can run the run under the other one.
         run = spec_cost.model_forward(
@@ -250,6 +276,12 @@ class ModelRunner:
         )
         if self.speculative is not None:  # its proposer (gpu/spec/plan.py)
             req.ngram = NgramTokens(prompt)
+        if params.lora is not None:
+            req.lora = self.adapter(params.lora.digest)
+            if self.lora_slots is None or req.lora is None:
+                raise ExecutorInputError(
+                    request_id, "lora", f"adapter {params.lora.name!r} is not loaded here"
+                )
         self.requests.add(req)
 
     def start(self, run: Run, grammar: Compiled | None) -> None:
@@ -312,7 +344,8 @@ class ModelRunner:
         # the grammar masks (a draft row's past the drafts before it), while the forward runs
         masking = self.structured.start(samplers, batch.offsets, drafts)
         longs = functools.partial(torch.tensor, dtype=torch.long, device=dev)
-        x = self.model.trunk(longs(batch.ids), longs(batch.pos), meta, self.cache)
+        lora = self._lora_batch(batch) if self.lora_slots is not None else None
+        x = self.model.trunk(longs(batch.ids), longs(batch.pos), meta, self.cache, lora)
         read = longs(batch.logit_rows + batch.score_rows)
         logits, pooled = self.model.logits(x, read), pool(self.model, x, batch)  # + embeddings
         logits, scores = split_scores(logits, batch)  # prompt logprobs: scored and set apart
@@ -380,7 +413,20 @@ class ModelRunner:
             refit=refit,
             prompt=scores,
             pooled=pooled,
+            loras=lora.adapters if lora is not None else 0,
         )
+
+    def _lora_batch(self, batch: step_batch.StepBatch) -> LoraBatch | None:
+        """The step's adapters in their slots and each row's mask; None: no row uses one."""
+        assert self.lora_slots is not None
+        adapters = {r.lora.key: r.lora for r, _ in batch.owners if r.lora is not None}
+        if not adapters:
+            return None
+        slot = self.lora_slots.assign(list(adapters.values()))
+        per = [slot[r.lora.key] if r.lora is not None else -1 for r, _ in batch.owners]
+        counts = [n for _, n in batch.owners]
+        rows = torch.tensor(per).repeat_interleave(torch.tensor(counts))
+        return self.lora_slots.batch(rows, len(adapters))
 
     def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:
         """The step's drafts (``gpu/spec/plan.py``); None when speculation is off."""

@@ -49,6 +49,8 @@ class Recovery:
             return
         if st.builds is not None:
             st.builds.clear()
+        if st.loras is not None:
+            st.loras.clear()
         if st.disk is not None:
             st.disk.loading.clear()
         for rid in list(st.flight):

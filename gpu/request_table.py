@@ -22,6 +22,7 @@ class RequestTable:
         self.max_model_len = max_model_len
         self.prefilling: dict[str, RequestState] = {}
         self.decoding: dict[str, RequestState] = {}
+        self.max_loras = 0  # LoRA adapters in one step at most (--max-loras; 0: none served)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.prefilling or request_id in self.decoding
@@ -55,6 +56,11 @@ class RequestTable:
         del self.prefilling[req.rid]
         self.decoding[req.rid] = req
 
+    def loras_in_use(self) -> set[str]:
+        """The LoRA adapters (digests) the requests in flight run with."""
+        reqs = (*self.prefilling.values(), *self.decoding.values())
+        return {r.lora.key for r in reqs if r.lora is not None}
+
     def has_work(self) -> bool:
         return bool(self.prefilling or self.decoding)
 
@@ -72,6 +78,7 @@ class RequestTable:
             self.budget,
             self.block_size,
             prefill_cap,
+            self.max_loras,
         )
 
     def decode_load(self) -> tuple[int, int]:

@@ -74,6 +74,7 @@ class StepResult:
     refit: Costs | None = None  # the adaptive budget's model, when this step refitted it
     prompt: list[PromptScores] = field(default_factory=list)  # prompt logprobs it scored
     pooled: list[Pooled] = field(default_factory=list)  # embeddings it completed
+    loras: int = 0  # LoRA adapters its rows ran with
 
 
 @dataclass
@@ -96,6 +97,7 @@ class RequestState:
     grammar: GrammarState | None = None
     ngram: NgramTokens | None = None
     pool: Any = None  # an embedding's sum of final hidden states so far (gpu/pooling.py)
+    lora: Any = None  # its LoRA adapter's factors (gpu/lora/slots.py Adapter), None: the base
 
 
 def check_invariants(

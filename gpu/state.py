@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from gpu.disk.io import DiskIO
+from gpu.lora.cache import AdapterCache
 from gpu.request_table import RequestTable
 from gpu.structured.builds import MatcherBuilds
 from messages import executor as xm
@@ -68,8 +69,10 @@ class CoreState:
         clock: Callable[[], float] = time.monotonic,
         builds: MatcherBuilds | None = None,
         disk: DiskIO | None = None,
+        loras: AdapterCache | None = None,
     ) -> None:
         self.requests = requests
+        self.loras = loras  # resident LoRA adapters and the runs waiting for one (--enable-lora)
         self.log = log
         self.clock = clock
         self.builds = builds  # constrained runs waiting for their matcher, else None
@@ -85,7 +88,9 @@ class CoreState:
         self.outbox.append((peer, msg))
 
     def building(self) -> list[xm.Run]:
-        """The runs waiting for their matcher or their blocks from disk (they hold blocks,
+        """The runs waiting for their adapter, their matcher or their blocks from disk (they hold blocks,
         not yet running)."""
         runs = list(self.builds.runs.values()) if self.builds is not None else []
+        if self.loras is not None:
+            runs += [r for waiting in self.loras.waiting.values() for r in waiting]
         return runs + (list(self.disk.loading.values()) if self.disk is not None else [])

@@ -76,6 +76,22 @@ class Embedding(Msg, tag="embedding"):
     data: bytes
 
 
+class LoraInfo(msgspec.Struct, array_like=True):
+    """A LoRA adapter the server serves: its name (a request's ``lora``, an HTTP ``model``), its
+    PEFT directory and rank."""
+
+    name: str
+    path: str
+    rank: int
+
+
+class LoraList(Msg, tag="loras"):
+    """Answer to a ``lora`` message: the adapters served after it."""
+
+    request_id: str
+    adapters: list[LoraInfo]
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
@@ -122,6 +138,7 @@ ClientInbound = (
     | Delta
     | Final
     | Batch
+    | LoraList
     | ErrorReply
     | Pong
     | HelloAck

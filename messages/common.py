@@ -154,6 +154,19 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+class LoraRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A LoRA adapter as the front door checked it (``actors/shared/lora.py``): its name, its
+    PEFT directory, ``digest`` (of its files: what the executor's cache and the prefix cache key
+    it by), its rank and the scale of its product (``lora_alpha / r``, or ``/ sqrt(r)`` with
+    rsLoRA)."""
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+    scaling: float
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """Per-request sampling settings, as sent by clients and forwarded to the executor.
 
@@ -202,6 +215,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     # from the prefix cache), L2-normalized when ``normalize``; the request ends with its prefill
     pooling: str | None = None
     normalize: bool = True
+    # the LoRA adapter the request runs with (None: the base model); set by the front door from
+    # ``Generate.lora``, never by a client
+    lora: LoraRef | None = None
 
 
 MAX_LOGPROBS = 20

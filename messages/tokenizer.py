@@ -87,6 +87,20 @@ class Generate(Msg, tag="generate"):
     # vLLM's ``cache_salt``: cached KV (pool and disk) is shared only among requests with the
     # same salt, so one tenant cannot time another's prompts through the prefix cache
     cache_salt: str = ""
+    # the LoRA adapter to run with, by name (vLLM's ``model`` of an adapter; "": the base model)
+    lora: str = ""
+
+
+class Lora(Msg, tag="lora"):
+    """A client manages the server's LoRA adapters (``--enable-lora``): ``op`` load (read and
+    check ``lora_path``, a PEFT directory, and serve it as ``lora_name``), unload (stop serving
+    ``lora_name``; requests running with it finish) or list. Answered with ``LoraList`` (the
+    adapters served afterwards) or an ``error`` naming the field, under ``request_id``."""
+
+    request_id: str
+    op: str  # load | unload | list
+    lora_name: str = ""
+    lora_path: str = ""
 
 
 class Cancel(Msg, tag="cancel"):
@@ -157,7 +171,7 @@ class RequestFailed(Msg, tag="failed"):
     field: str | None = None
 
 
-FromClient = Hello | Ping | Generate | Cancel
+FromClient = Hello | Ping | Generate | Cancel | Lora
 """What the client endpoint accepts."""
 
 TokenizerInbound = Hello | Ping | TokenBatch | RequestAdmitted | RequestFailed | Reconcile

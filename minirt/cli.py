@@ -106,6 +106,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                     const=False,
                     help=opt.off_help,
                 )
+        elif opt.many:
+            p.add_argument(
+                f"--{opt.flag}",
+                dest=opt.dest,
+                nargs="+",
+                action=_JoinWords,
+                metavar=opt.flag.split("-")[-1].upper(),
+                help=help,
+            )
         else:
             p.add_argument(
                 f"--{opt.flag}",
@@ -117,6 +126,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                 else _METAVARS.get(opt.type, opt.flag.split("-")[-1].upper()),
                 help=help,
             )
+
+
+class _JoinWords(argparse.Action):
+    """A flag of one or more words, stored as one string (``doc(many=True)``)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, " ".join(values))
 
 
 def config_from_args(args: argparse.Namespace) -> Any:

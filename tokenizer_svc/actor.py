@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 import zmq
 
@@ -23,6 +24,7 @@ from actors.runtime.actor import Actor
 from actors.runtime.config import RuntimeConfig
 from actors.runtime.liveness import State, host_id
 from actors.runtime.transport import ZSocket
+from actors.shared.lora import LoraError
 from messages import client as cm
 from messages.codec import Decoder
 from messages.common import PROTOCOL_VERSION, ErrorCode, ErrorReply, Hello, Pong, Reconcile
@@ -30,10 +32,12 @@ from messages.tokenizer import (
     Cancel,
     FromClient,
     Generate,
+    Lora,
     TokenizerInbound,
 )
 from tokenizer_svc.clients import ClientEndpoint
 from tokenizer_svc.core import TokenizerCore
+from tokenizer_svc.loras import Loras
 from tokenizer_svc.requests import Invalid, Parsers, Prompts, check_request
 from tokenizer_svc.resume import Resume, check_resume_ids
 from tokenizer_svc.streams import Stream
@@ -67,6 +71,8 @@ class TokenizerActor(Actor):
         self.live = self.core.live  # by runtime-wide id
         self.prompts = Prompts()
         self.parsers = Parsers(cfg.tool_call_parser, cfg.reasoning_parser)
+        self.loras = Loras(cfg.lora, cfg.model, self.model_name)
+        self.tasks: trio.Nursery  # start_tasks's: where adapter loads run
 
     def open(self) -> None:
         super().open()
@@ -78,6 +84,7 @@ class TokenizerActor(Actor):
         super().close()
 
     async def start_tasks(self, nursery: trio.Nursery) -> None:
+        self.tasks = nursery
         nursery.start_soon(self._client_loop)
         nursery.start_soon(self._resume_loop)
         nursery.start_soon(self.clients.outbox.run)
@@ -155,6 +162,8 @@ class TokenizerActor(Actor):
     def _on_client(self, ident: bytes, msg: Any) -> None:
         if isinstance(msg, Generate):
             self._on_generate(ident, msg)
+        elif isinstance(msg, Lora):
+            self.tasks.start_soon(self._on_lora, ident, msg)
         elif isinstance(msg, Cancel):
             # only the client's own requests: another client's ids are not even visible
             live = self.live.get(self.clients.lookup(ident, msg.request_id) or "")
@@ -217,6 +226,23 @@ class TokenizerActor(Actor):
             self._refuse(ident, rid, ErrorCode(e.code), str(e), e.field)
             return
         ids, params = checked.ids, checked.params
+        try:
+            if msg.params.lora is not None:
+                raise LoraError("params.lora", "set by the server: name the adapter in lora")
+            lora = self.loras.resolve(msg.lora)
+        except LoraError as e:
+            self.log.info(
+                "client.rejected",
+                request_id=internal,
+                client_request_id=rid,
+                code=ErrorCode.INVALID,
+                field=e.field,
+                reason=e.reason,
+            )
+            self._refuse(ident, rid, ErrorCode.INVALID, str(e), e.field)
+            return
+        if lora is not None:
+            params = msgspec.structs.replace(params, lora=lora)
         why = check_resume_ids(msg.resume_ids, params, self.vocab_size)
         if why:
             self._refuse(ident, rid, ErrorCode.INVALID, f"resume_ids: {why}", "resume_ids")
@@ -236,11 +262,46 @@ class TokenizerActor(Actor):
         salt = msg.cache_salt
         if params.prompt_logprobs is not None or params.pooling == "mean":
             salt = f"{salt}\x00whole:{internal}"  # its prompt computed whole: a salt of its own
+        if lora is not None:  # an adapter's KV is its own: shared only under the same adapter
+            salt = f"{salt}\x00lora:{lora.digest}"
         resume = Resume(ids, params, time.time(), grammar=checked.grammar, cache_salt=salt)
         # a peer died and is being restarted: the request waits, as a resumed one does, and is
         # submitted once the runtime serves (or fails after the resume window, resume.py)
         self.core.start(ident, internal, stream, resume, msg.resume_ids, sorted(self.down), now)
         self._flush()
+
+    async def _on_lora(self, ident: bytes, msg: Lora) -> None:
+        """Load, unload or list the adapters; the answer lists them afterwards."""
+        try:
+            if msg.op == "load":
+                self.loras.check(msg.lora_name, msg.lora_path)
+                ref = await trio.to_thread.run_sync(
+                    self.loras.inspect, msg.lora_name, msg.lora_path
+                )
+                self.loras.add(ref)
+                self.log.info(
+                    "tokenizer.lora_added",
+                    lora=ref.name,
+                    path=ref.path,
+                    rank=ref.rank,
+                    digest=ref.digest,
+                )
+            elif msg.op == "unload":
+                ref = self.loras.remove(msg.lora_name)
+                self.log.info("tokenizer.lora_removed", lora=ref.name, digest=ref.digest)
+            elif msg.op != "list":
+                raise LoraError("op", f"{msg.op!r} is not load, unload or list")
+        except LoraError as e:
+            self.log.info(
+                "tokenizer.lora_refused",
+                op=msg.op,
+                lora=msg.lora_name,
+                field=e.field,
+                reason=e.reason,
+            )
+            self._refuse(ident, msg.request_id, ErrorCode.INVALID, str(e), e.field)
+            return
+        self.clients.send(ident, cm.LoraList(msg.request_id, self.loras.listing()))
 
     def _refuse(
         self, ident: bytes, rid: str, code: ErrorCode, message: str, field: str | None = None

@@ -32,17 +32,20 @@ def doc(
     choices: Choices | None = None,
     off_flag: str | None = None,
     off_help: str = "",
+    many: bool = False,
 ) -> dict[str, Any]:
     """Field metadata. ``help``: the flag's help. ``flag``: its name when not the field's (the
     environment name follows the flag). ``choices``: allowed values, or a function returning them
     (called only when needed, so listing them imports nothing at start-up). ``off_flag``: for a
-    bool, an extra flag that sets it false (with ``off_help``)."""
+    bool, an extra flag that sets it false (with ``off_help``). ``many``: a string flag that
+    takes one or more words (joined by spaces)."""
     return {
         "help": help,
         "flag": flag,
         "choices": choices,
         "off_flag": off_flag,
         "off_help": off_help,
+        "many": many,
     }
 
 
@@ -58,6 +61,7 @@ class Option:
     choices_of: Choices | None = None
     off_flag: str | None = None
     off_help: str = ""
+    many: bool = False  # a str flag of one or more words
 
     @property
     def key(self) -> str:
@@ -187,5 +191,6 @@ def _walk(cls: type, prefix: tuple[str, ...], out: list[Option]) -> None:
                 choices_of=meta.get("choices") or literal,
                 off_flag=meta.get("off_flag"),
                 off_help=meta.get("off_help", ""),
+                many=meta.get("many", False),
             )
         )

@@ -5,3 +5,4 @@
 #include "cpu_ops.c"
 #include "sample.c"
 #include "decode_gemm.c"
+#include "lora.c"

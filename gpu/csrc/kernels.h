@@ -1,4 +1,4 @@
-/* The C kernels' entry points (paged_decode.c, cpu_ops.c, sample.c, decode_gemm.c), declared once per
+/* The C kernels' entry points (paged_decode.c, cpu_ops.c, sample.c, decode_gemm.c, lora.c), declared once per
  * build of them: setup.py compiles the three files once per instruction set, each build's symbols
  * prefixed (minirt_generic_, minirt_v3_, minirt_v4_, minirt_v4bf16_), and ops.cpp picks one at
  * run time from the CPU's features. */
@@ -35,4 +35,10 @@
     X(void, rows_pack_bf16, (const uint16_t *, int64_t, int64_t, uint32_t *))                     \
     X(int, rows_gemm_bf16_vector, (void))                                                         \
     X(void, rows_gemm_bf16, (const uint16_t *, int64_t, int64_t, const uint32_t *,                \
-                             const uint16_t *, int64_t, int64_t, uint32_t *, uint16_t *))
+                             const uint16_t *, int64_t, int64_t, uint32_t *, uint16_t *))         \
+    X(void, lora_add_f32, (const float *, int64_t, const float *, const float *, const int64_t *,  \
+                           const float *, const int64_t *, int64_t, int64_t, int64_t, int64_t,    \
+                           int64_t, int64_t, int64_t *, float *, int64_t))                        \
+    X(void, lora_add_bf16, (const uint16_t *, int64_t, const uint16_t *, const uint16_t *,        \
+                            const int64_t *, const float *, const int64_t *, int64_t, int64_t,    \
+                            int64_t, int64_t, int64_t, int64_t, int64_t *, uint16_t *, int64_t))

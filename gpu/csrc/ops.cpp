@@ -294,6 +294,48 @@ at::Tensor rows_linear(const at::Tensor &x, const at::Tensor &packed,
     return out;
 }
 
+// y[t] += each row's own LoRA product (lora.c): y, x [T, *] rows contiguous, a [S, PR, K],
+// b [S, PR, N] contiguous, of one dtype; slots [T] int64 (-1: none); scale [S] float32; off [P+1].
+void lora_add(at::Tensor &y, const at::Tensor &x, const at::Tensor &a, const at::Tensor &b,
+              const at::Tensor &slots, const at::Tensor &scale, const at::Tensor &off) {
+    expect_float(x, "x", 2);
+    expect(y, "y", x.scalar_type(), 2);
+    expect(a, "a", x.scalar_type(), 3);
+    expect(b, "b", x.scalar_type(), 3);
+    expect(slots, "slots", at::kLong, 1);
+    expect(scale, "scale", at::kFloat, 1);
+    expect(off, "off", at::kLong, 1);
+    TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "x, y: rows contiguous");
+    TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && slots.is_contiguous() &&
+                    scale.is_contiguous() && off.is_contiguous(),
+                "a, b, slots, scale, off: contiguous");
+    int64_t T = x.size(0), Kin = x.size(1), N = y.size(1), S = a.size(0), PR = a.size(1);
+    int64_t P = off.size(0) - 1;
+    TORCH_CHECK(y.size(0) == T && slots.size(0) == T, "y, slots: one row per row of x");
+    TORCH_CHECK(a.size(2) == Kin, "a: [slots, parts x rank, ", Kin, "] expected");
+    TORCH_CHECK(b.size(0) == S && b.size(1) == PR && b.size(2) == N,
+                "b: [", S, ", ", PR, ", ", N, "] expected");
+    TORCH_CHECK(scale.size(0) == S, "scale: one per slot");
+    TORCH_CHECK(P >= 1 && PR % P == 0 && PR <= 512, "off: parts dividing a's rows, at most 512");
+    auto o = off.data_ptr<int64_t>();
+    TORCH_CHECK(o[0] >= 0 && o[P] <= N, "off: columns within y");
+    auto sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; t++) TORCH_CHECK(sl[t] >= -1 && sl[t] < S, "slots: a slot or -1");
+    auto scratch = at::empty({3 * S + 1 + 2 * T}, slots.options());  // the rows by slot
+    int64_t *sc = scratch.data_ptr<int64_t>();
+    if (x.scalar_type() == at::kFloat) {
+        K()->lora_add_f32(x.data_ptr<float>(), x.stride(0), a.data_ptr<float>(),
+                          b.data_ptr<float>(), sl, scale.data_ptr<float>(), o, T, Kin, N, PR, P,
+                          S, sc, y.data_ptr<float>(), y.stride(0));
+    } else {
+        K()->lora_add_bf16(static_cast<const uint16_t *>(x.data_ptr()), x.stride(0),
+                           static_cast<const uint16_t *>(a.data_ptr()),
+                           static_cast<const uint16_t *>(b.data_ptr()), sl,
+                           scale.data_ptr<float>(), o, T, Kin, N, PR, P, S, sc,
+                           static_cast<uint16_t *>(y.data_ptr()), y.stride(0));
+    }
+}
+
 bool has_vector(std::string kernel, int64_t head_dim) {
     if (kernel == "paged_decode_f32") return K()->paged_decode_vector(0, head_dim);
     if (kernel == "paged_decode_bf16") return K()->paged_decode_vector(1, head_dim);
@@ -353,6 +395,8 @@ TORCH_LIBRARY(minirt, m) {
           "int block_size, float scale, bool portable=False) -> Tensor");
     m.def("pack_rows(Tensor weight) -> Tensor");
     m.def("rows_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+    m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor scale, "
+          "Tensor off) -> ()");
     m.def("has_vector(str kernel, int head_dim=0) -> bool", &has_vector);
     m.def("isa() -> str", &isa);
     m.def("isas() -> str[]", &isas);
@@ -371,4 +415,5 @@ TORCH_LIBRARY_IMPL(minirt, CPU, m) {
     m.impl("paged_decode", &paged_decode);
     m.impl("pack_rows", &pack_rows);
     m.impl("rows_linear", &rows_linear);
+    m.impl("lora_add", &lora_add);
 }

@@ -148,3 +148,22 @@ def rows_linear(
     if bf16 != (x.dtype == torch.bfloat16) or (bf16 and (x.stride(0) % 2 or x.data_ptr() % 4)):
         return None
     return lib.rows_linear(x, packed, bias, n)
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    scale: torch.Tensor,
+    off: torch.Tensor,
+) -> bool:
+    """``y[t] += scale[s] * (x[t] @ a[s].T) @ b[s]`` with ``s = slots[t]`` (-1: none), each part
+    of ``off``'s columns from its own rows of ``a`` and ``b`` (``gpu/csrc/lora.c``); False
+    where it does not apply (the caller runs ``gpu.lora.slots``' torch expression)."""
+    lib = _lib(x, (torch.float32, torch.bfloat16))
+    if lib is None or y.dtype != x.dtype or x.stride(1) != 1 or y.stride(1) != 1:
+        return False
+    lib.lora_add(y, x, a, b, slots, scale, off)
+    return True

@@ -34,4 +34,6 @@ def executor_from_config(cfg: RuntimeConfig) -> ModelRunner:
         budget_policy=x.budget_policy,
         step_target_ms=x.step_target_ms,
         bind_threads=x.bind_threads,
+        max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
+        max_lora_rank=cfg.lora.max_lora_rank,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from gpu.model.attention import AttentionMetadata, paged_attention
 from gpu.model.kv_cache import PagedKVCache
 from gpu.model.linear import TILE_ROWS, Linear, mkl_gemv_fast, packing_enabled
 from gpu.model.loader import ModelSpec
+
+if TYPE_CHECKING:
+    from gpu.lora.slots import LoraBatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -275,9 +279,11 @@ class LlamaFamilyModel:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         cache: PagedKVCache,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Run ``[T]`` tokens at ``positions`` through every layer, writing their K/V into
-        ``cache``: the residual stream ``[T, hidden]`` after the last layer."""
+        ``cache``: the residual stream ``[T, hidden]`` after the last layer. ``lora``: the
+        rows' LoRA adapters (``gpu/lora/slots.py``), whose products add into each linear's."""
         spec = self.spec
         eps = spec.rms_norm_eps
         t = input_ids.shape[0]
@@ -291,7 +297,10 @@ class LlamaFamilyModel:
         tile = TILE_ROWS if x.device.type == "cpu" else max(t, 1)
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln_in, eps).to(self.attn_dtype)
-            qkv = ly.qkv(h).view(t, nh + 2 * nkv, d)
+            qkv = ly.qkv(h)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv, slice(None))
+            qkv = qkv.view(t, nh + 2 * nkv, d)
             v = qkv[:, nh + nkv :]
             if ly.q_norm is None:  # rotate q and k together
                 qk = rope(qkv[:, : nh + nkv].to(rot.cos.dtype), rot).to(qkv.dtype)
@@ -309,6 +318,20 @@ class LlamaFamilyModel:
             # cache. On a GPU one tile: smaller GEMMs would only leave its SMs idle.
             for r in range(0, t, tile):
                 xs = x[r : r + tile]  # a view: the adds below write into x
-                xs += ly.o(attn[r : r + tile])
-                xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
+                if lora is None:
+                    xs += ly.o(attn[r : r + tile])
+                    xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
+                    continue
+                rows = slice(r, r + tile)
+                a = attn[rows]
+                y = ly.o(a)
+                lora.add(i, "o", a, y, rows)
+                xs += y
+                n = rms_norm(xs, ly.ln_post, eps).to(lo)
+                gu = ly.gate_up(n)
+                lora.add(i, "gate_up", n, gu, rows)
+                g = silu_mul(gu)
+                y = ly.down(g)
+                lora.add(i, "down", g, y, rows)
+                xs += y
         return x

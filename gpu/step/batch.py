@@ -45,6 +45,8 @@ class StepBatch:
     # its rows start there, how many, whether this step completes its prompt)
     pool_rows: list[int] = field(default_factory=list)
     pools: list[tuple[RequestState, int, int, bool]] = field(default_factory=list)
+    # each request's rows, in row order: (request, how many) (a LoRA adapter's rows)
+    owners: list[tuple[RequestState, int]] = field(default_factory=list)
 
 
 def build(
@@ -60,6 +62,7 @@ def build(
         samplers=list(plain),
         offsets=[0] * len(plain),
         runs=[(r, i, _NONE) for i, r in enumerate(plain)],
+        owners=[(r, 1) for r in plain],
     )
     for req in decodes if drafts else ():
         if (d := drafts.get(req.rid)) is not None:
@@ -69,6 +72,7 @@ def build(
             b.samplers += [req] * (len(d) + 1)
             b.offsets += range(len(d) + 1)
             b.spans.append((req.table, req.computed, len(d) + 1))
+            b.owners.append((req, len(d) + 1))
     b.logit_rows = list(range(len(b.samplers)))
     row = len(b.samplers)
     for req, c in chunks:
@@ -76,6 +80,7 @@ def build(
         b.ids.extend(req.prompt[s : s + c])
         b.pos.extend(range(s, s + c))
         b.spans.append((req.table, s, c))
+        b.owners.append((req, c))
         if req.params.prompt_logprobs is not None:
             # row p scores prompt token p + 1, up to the client's prompt's last (not outputs
             # of an earlier attempt; the last row predicts an output)

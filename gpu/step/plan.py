@@ -89,12 +89,25 @@ def plan_step(
     b: StepBudget,
     block_size: int,
     prefill_cap: int | None = None,
+    max_loras: int = 0,
 ) -> StepPlan:
     """``prefill_cap``: prompt tokens this step may prefill at most (the adaptive budget,
-    ``gpu/step/budget.py``); None: as many as the step budget leaves."""
+    ``gpu/step/budget.py``); None: as many as the step budget leaves. ``max_loras``: LoRA
+    adapters in one step at most (``--max-loras``; 0: no adapters served): a request of another
+    adapter waits for a later step."""
     plan = StepPlan([], [], [])
     budget = b.step_budget
     prefill_left = b.step_budget if prefill_cap is None else prefill_cap
+    loras: set[str] = set()
+
+    def fits(req: RequestState) -> bool:
+        a = req.lora
+        if a is None or a.key in loras:
+            return True
+        if len(loras) >= max_loras:
+            return False
+        loras.add(a.key)
+        return True
 
     def add_decodes() -> None:
         nonlocal budget
@@ -103,6 +116,8 @@ def plan_step(
                 break
             if req.computed >= len(req.table) * block_size:
                 plan.skipped.append(req.rid)
+                continue
+            if not fits(req):
                 continue
             plan.decodes.append(req)
             budget -= 1
@@ -115,6 +130,8 @@ def plan_step(
                 break
             if budget < 1 or prefill_left < 1:
                 break
+            if not fits(req):
+                continue
             if b.long_prefill_threshold and len(req.prompt) > b.long_prefill_threshold:
                 if longs >= b.max_long_prefills:
                     continue  # let shorter prompts behind it in

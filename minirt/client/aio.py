@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,7 +16,7 @@ from actors.runtime.transport import ZSocket, open_socket
 from messages import client as cm
 from messages.codec import Decoder, encode
 from messages.common import ErrorReply, HelloAck, Pong
-from messages.tokenizer import Cancel, Generate
+from messages.tokenizer import Cancel, Generate, Lora
 from minirt.client.core import (
     CLOSE_LINGER_MS,
     MAX_RESUMES,
@@ -23,6 +24,7 @@ from minirt.client.core import (
     READY_TIMEOUT_S,
     ConnectionLost,
     Lost,
+    RequestError,
     Result,
     ServerWatch,
     build_generate,
@@ -89,7 +91,7 @@ class AsyncClient:
         if rid is not None and rid in self._streams:
             chan = self._streams[rid]
             await chan.send(msg)
-            if isinstance(msg, (cm.Final, ErrorReply)):
+            if isinstance(msg, (cm.Final, ErrorReply, cm.LoraList)):
                 # only if still this stream's: during the send above the caller may have
                 # ended it and started a new request under the same id
                 if self._streams.get(rid) is chan:
@@ -215,6 +217,28 @@ class AsyncClient:
             if result.apply(msg):
                 break
         return result
+
+    async def lora(self, op: str, lora_name: str = "", lora_path: str = "") -> cm.LoraList:
+        """Load (``lora_path``: a PEFT adapter's directory, on the server's machine), unload
+        or list (``op``) the server's LoRA adapters; the adapters served afterwards.
+        ``RequestError`` naming the field when refused (LoRA not enabled, a name taken or
+        unknown, an adapter that does not fit the model)."""
+        rid = f"lora-{uuid.uuid4().hex}"
+        send, recv = trio.open_memory_channel[Any](4)
+        self._streams[rid] = send
+        try:
+            op_msg = Lora(request_id=rid, op=op, lora_name=lora_name, lora_path=lora_path)
+            await self.sock.send([encode(op_msg)])
+            async for msg in recv:
+                if isinstance(msg, ErrorReply):
+                    raise RequestError(msg)
+                if isinstance(msg, Lost):
+                    raise ConnectionLost(self.watch.lost(msg.reason, rid))
+                if isinstance(msg, cm.LoraList):
+                    return msg
+            raise ConnectionLost(self.watch.lost("the connection closed", rid))
+        finally:
+            self._streams.pop(rid, None)
 
     async def cancel(self, request_id: str) -> None:
         if not self.sock.closed:  # a closed connection already aborts its requests server-side

@@ -119,10 +119,12 @@ def build_generate(
     parallel_tool_calls: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     cache_salt: str = "",
+    lora: str = "",
     **params: Any,
 ) -> Generate:
     """A ``Generate`` message; ``params`` are ``SamplingParams`` fields (max_tokens, temperature...);
-    ``tools`` are ``Tool`` maps (``name``, ``description``, ``parameters``)."""
+    ``tools`` are ``Tool`` maps (``name``, ``description``, ``parameters``); ``lora``: the LoRA
+    adapter to run with, by name ("": the base model)."""
     return Generate(
         tools=[msgspec.convert(t, Tool) for t in tools or []],
         tool_choice=tool_choice,
@@ -137,6 +139,7 @@ def build_generate(
         request_id=request_id or uuid.uuid4().hex,
         stop=stop or [],
         cache_salt=cache_salt,
+        lora=lora,
     )
 
 

@@ -52,7 +52,9 @@ class HttpActor(Actor):
         super().__init__(cfg)
         self.settings = cfg.http
         check_bind(self.settings, cfg.security.allow_remote)
-        self.model = ModelInfo.load(cfg.model, self.settings.served_model_name, cfg.max_model_len)
+        self.model = ModelInfo.load(
+            cfg.model, self.settings.served_model_name, cfg.max_model_len, cfg.lora.enable_lora
+        )
         self.upstream = Upstream(cfg.endpoints.client, cfg.security.curve_dir, self.log)
         self.url = ""
 

@@ -18,12 +18,13 @@ import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from actors.runtime.liveness import host_id, process_alive
 from actors.runtime.ping import ping
 from messages.common import Pong
+from minirt.client import RequestError
 from minirt.http.anthropic.routes import messages_routes
 from minirt.http.errors import ApiError, invalid
 from minirt.http.gate import Gate
@@ -35,7 +36,9 @@ from minirt.http.openai.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from minirt.http.responses.routes import responses_routes
 from minirt.http.responses.store import ResponseStore
@@ -91,7 +94,32 @@ def build_app(server: Server) -> Gate:
             "parent": None,
             "max_model_len": m.max_model_len,
         }
-        return JSON({"object": "list", "data": [card]})
+        cards = [card]
+        if m.lora:  # each adapter served, its base as parent (vLLM's)
+            listing = await lora_op("list")
+            cards += [
+                {**card, "id": a.name, "root": a.path, "parent": m.served_name}
+                for a in listing.adapters
+            ]
+        return JSON({"object": "list", "data": cards})
+
+    async def lora_op(op: str, name: str = "", path: str = "") -> Any:
+        async with server.upstream.use() as client:
+            try:
+                return await client.lora(op, name, path)
+            except RequestError as e:
+                status = 404 if op == "unload" and "no adapter" in e.message else 400
+                raise ApiError(status, e.message, param=e.field, code="lora") from None
+
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        req = await read_body(request, LoadLoraAdapterRequest, server.body_timeout_s)
+        await lora_op("load", req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        req = await read_body(request, UnloadLoraAdapterRequest, server.body_timeout_s)
+        await lora_op("unload", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     last_pong: dict[str, Pong] = {}  # each actor's latest answer: its pid and host
 
@@ -216,6 +244,8 @@ def build_app(server: Server) -> Gate:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_, methods=["GET"]),

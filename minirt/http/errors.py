@@ -117,6 +117,10 @@ def from_upstream(
     reason = message.removeprefix(f"{name}: ") if name else message
     if code == "too_long":
         return invalid(prompt_param, reason, code="context_length_exceeded")
+    if name == "lora":  # the model named no adapter served (--enable-lora)
+        return ApiError(
+            404, f"The model does not exist: {reason}", param="model", code="model_not_found"
+        )
     if name.startswith("params.structured") and structured is not None:
         param = structured(name)
     else:

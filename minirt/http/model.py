@@ -29,6 +29,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     aliases: frozenset[str] = frozenset()
+    lora: bool = False  # --enable-lora: another model name may be an adapter's
     _tokenizer: Any = None
 
     @property
@@ -43,7 +44,9 @@ class ModelInfo:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     @classmethod
-    def load(cls, path: str, served_name: str = "", max_model_len: int | None = None) -> ModelInfo:
+    def load(
+        cls, path: str, served_name: str = "", max_model_len: int | None = None, lora: bool = False
+    ) -> ModelInfo:
         """``path``: the resolved model directory; ``max_model_len``: the runtime's (the model's
         context capped by the KV pool, gpu.model.kv_cache.resolve_max_model_len)."""
         cfg = json.loads((Path(path) / "config.json").read_text())
@@ -55,16 +58,23 @@ class ModelInfo:
             vocab_size=int(cfg["vocab_size"]),
             max_model_len=int(max_model_len or cfg.get("max_position_embeddings", 2048)),
             aliases=aliases,
+            lora=lora,
         )
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.aliases:
+        """404 for a ``model`` that is not this server's; with LoRA enabled any other name may be
+        an adapter's, which the front door resolves (``lora_of``)."""
+        if name is not None and name not in self.aliases and not self.lora:
             raise ApiError(
                 404,
                 f"The model `{name}` does not exist; this server serves `{self.served_name}`",
                 param="model",
                 code="model_not_found",
             )
+
+    def lora_of(self, name: str | None) -> str:
+        """The adapter a request's ``model`` names ("": the base model)."""
+        return "" if name is None or name in self.aliases else name
 
     def token_str(self, token_id: int) -> str:
         return _token_str(self.tokenizer, token_id)

@@ -26,7 +26,17 @@ def prepare(cfg: RuntimeConfig) -> Path:
     from gpu.model.kv_cache import resolve_serving
 
     cfg.pooler()  # a bad --pooler-config fails here, naming its key
+    cfg.lora.check()
     resolve_serving(cfg)
+    if cfg.lora.enable_lora:  # a --lora-modules adapter that does not fit fails here
+        from actors.shared.lora import LoraError, ModelDims, inspect
+
+        dims = ModelDims.of(cfg.model)
+        for name, where in cfg.lora.modules():
+            try:
+                inspect(name, where, dims, cfg.lora.max_lora_rank)
+            except LoraError as e:
+                raise ValueError(f"lora_modules {name}={where}: {e}") from None
     cfg.resolve()
     run = Path(cfg.run_dir)
     for sub in ("sock", "events", "logs"):

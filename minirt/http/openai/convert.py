@@ -191,7 +191,13 @@ Prompt = dict[str, Any]  # Generate's prompt fields: prompt | prompt_ids | messa
 
 
 def _choices(
-    req: _Sampling, prompts: list[Prompt], kw: dict, rid: str, stops: list[str], param: str
+    req: _Sampling,
+    prompts: list[Prompt],
+    kw: dict,
+    rid: str,
+    stops: list[str],
+    param: str,
+    lora: str = "",
 ) -> list[ChoiceSpec]:
     if len(prompts) * req.n > MAX_CHOICES:
         raise invalid("n", f"n x prompts must be at most {MAX_CHOICES}")
@@ -205,6 +211,7 @@ def _choices(
                 params=SamplingParams(**kw, seed=seed),
                 stop=stops,
                 cache_salt=req.cache_salt or "",
+                lora=lora,
                 **prompt,
             )
             choices.append(ChoiceSpec(index, p, gen, where))
@@ -257,7 +264,9 @@ def plan_completion(req: CompletionRequest, model: ModelInfo, rid: str) -> Plan:
     return Plan(
         kind="completion",
         num_prompts=len(prompts),
-        choices=_choices(req, prompts, kw, rid, _stops(req.stop), "prompt"),
+        choices=_choices(
+            req, prompts, kw, rid, _stops(req.stop), "prompt", model.lora_of(req.model)
+        ),
         stream=req.stream,
         include_usage=bool(opts and opts.include_usage),
         continuous_usage=bool(opts and opts.continuous_usage_stats),
@@ -286,7 +295,9 @@ def plan_chat(req: ChatCompletionRequest, model: ModelInfo, rid: str) -> Plan:
     return Plan(
         kind="chat",
         num_prompts=1,
-        choices=_choices(req, [prompt], kw, rid, _stops(req.stop), "messages"),
+        choices=_choices(
+            req, [prompt], kw, rid, _stops(req.stop), "messages", model.lora_of(req.model)
+        ),
         stream=req.stream,
         include_usage=bool(opts and opts.include_usage),
         continuous_usage=bool(opts and opts.continuous_usage_stats),

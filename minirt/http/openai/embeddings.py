@@ -57,7 +57,12 @@ def plan_embedding(
             else {"prompt_ids": list(it)}
         )
         where = "input" if len(items) == 1 else f"input[{i}]"
-        gen = Generate(params=params, request_id=rid if len(items) == 1 else f"{rid}-{i}", **prompt)
+        gen = Generate(
+            params=params,
+            request_id=rid if len(items) == 1 else f"{rid}-{i}",
+            lora=model.lora_of(req.model),
+            **prompt,
+        )
         choices.append(ChoiceSpec(i, i, gen, where))
     return Plan(
         kind="embedding",

@@ -214,6 +214,19 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` (its ``lora_int_id`` is ignored)."""
+
+    lora_name: str
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

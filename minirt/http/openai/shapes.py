@@ -218,6 +218,12 @@ def chat_logprobs(
     return {"content": content, "refusal": None}
 
 
+def served_as(plan: Plan, model: ModelInfo) -> str:
+    """The model name an answer gives: the adapter's a request ran with (vLLM's), else the
+    server's."""
+    return (plan.choices[0].generate.lora if plan.choices else "") or model.served_name
+
+
 def completion_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[str, Any]:
     out = []
     for c in sorted(choices.by_index.values(), key=lambda c: c.index):
@@ -241,7 +247,7 @@ def completion_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) ->
         "id": f"cmpl-{rid}",
         "object": "text_completion",
         "created": plan.created,
-        "model": model.served_name,
+        "model": served_as(plan, model),
         "choices": out,
         "usage": choices.usage(),
     }
@@ -293,7 +299,7 @@ def chat_body(plan: Plan, choices: Choices, model: ModelInfo, rid: str) -> dict[
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion",
         "created": plan.created,
-        "model": model.served_name,
+        "model": served_as(plan, model),
         "choices": out,
         "usage": choices.usage(),
     }
@@ -311,7 +317,7 @@ def chunk(
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": plan.created,
-        "model": model.served_name,
+        "model": served_as(plan, model),
         "choices": [] if choice is None else [choice],
     }
     if usage is not None:
