@@ -73,7 +73,9 @@ def test_the_kernel_and_the_masked_matmuls_give_each_row_its_own_product(dtype):
     st.a.copy_(torch.randn(st.a.shape, generator=gen) * 0.1)  # factors of LoRA's scale
     for p in range(3):  # each part's B reaches only its columns
         lo, hi = int(st.off[p]), int(st.off[p + 1])
-        st.b[:, p * r : (p + 1) * r, lo:hi] = (torch.randn(s, r, hi - lo, generator=gen) * 0.1).to(dtype)
+        st.b[:, p * r : (p + 1) * r, lo:hi] = (torch.randn(s, r, hi - lo, generator=gen) * 0.1).to(
+            dtype
+        )
     x = torch.randn(t, k, generator=gen).to(dtype)
     y0 = torch.randn(t, sum(outs), generator=gen).to(dtype)
     rows = torch.randint(-1, s, (t,), generator=gen)

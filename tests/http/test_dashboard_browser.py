@@ -466,3 +466,37 @@ async def test_the_step_strip_shows_speculative_decodings_acceptance(smollm2, tm
         assert d["specAccepted"] == str(accepted)
         text = await _dom(browser, "return document.getElementById('last-step').textContent")
         assert f"of {drafted} drafts accepted so far" in text, text
+
+
+async def test_the_step_strip_shows_the_resident_lora_adapters(tiny_model, tmp_path, browser):
+    """With ``--enable-lora``, the last-step line lists the adapters the executor holds: one
+    loaded when first used, one evicted past ``--max-cpu-loras`` (its ``executor.lora_*``
+    events)."""
+    from tests.support.lora import make_adapter
+
+    one, two = (make_adapter(tiny_model, tmp_path / n, 4, i) for i, n in enumerate(("one", "two")))
+    flags = ("--enable-lora", "--lora-modules", f"one={one}", f"two={two}", "--max-cpu-loras", "1")
+    with start_http_runtime(tiny_model, tmp_path / "rt", *flags, api_key="k") as hr:
+        await trio.to_thread.run_sync(browser.get, f"{hr.url}/dashboard?key=k&refresh_ms=200")
+
+        async def connected() -> bool:
+            return (await _dom(browser, "return MR.stats().conn")) == "live"
+
+        await wait_until(connected, timeout=20, interval=0.1)
+
+        async def resident() -> str | None:
+            d = await _dom(browser, "return {...document.getElementById('last-step').dataset}")
+            return d.get("loras")
+
+        async with open_client(hr.rt.endpoint) as c:
+            await c.generate(prompt="hi", max_tokens=4, lora="one")
+            assert await wait_until(lambda: resident(), timeout=20, interval=0.1) == "one"
+            await c.generate(prompt="hi", max_tokens=4, lora="two")
+
+        async def only_two() -> bool:
+            return await resident() == "two"
+
+        await wait_until(only_two, timeout=20, interval=0.1)
+        assert [e["lora"] for e in hr.rt.events("executor.lora_evicted")] == ["one"]
+        text = await _dom(browser, "return document.getElementById('last-step').textContent")
+        assert "1 LoRA adapters this step; resident: two" in text, text

@@ -99,6 +99,12 @@
       `<span class="k prefill">prefill ${s.prefill}</span> + <span class="k decode">decode ${s.decode}</span> tokens, ` +
       `step ${ms(s.stepS)}, forward ${ms(s.forward)}, <span class="k outside">outside the forward ${ms(outside)}</span>` +
       (s.skipped ? `, ${s.skipped} skipped` : "");
+    if (m.loras) {  // LoRA: the adapters resident in the executor, and this step's
+      const names = [...m.loras.values()].map((a) => a.name + (a.replica ? "@" + a.replica : "")).sort();
+      el.dataset.loras = names.join(",");
+      el.innerHTML += ` · <span class="k lora">${s.loras} LoRA adapters this step; resident: ` +
+        `${esc(names.join(", ") || "none")}</span>`;
+    }
     const sp = m.spec;
     if (sp) {  // speculative decoding: this step's drafts, and the acceptance so far
       el.dataset.specDrafted = sp.drafted; el.dataset.specAccepted = sp.accepted;

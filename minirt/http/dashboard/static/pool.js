@@ -72,10 +72,17 @@
       stepS: Number(e.step_s) || 0, control: Number(e.control_s) || 0, replica: e.replica || "",
       specK: e.spec_k === undefined ? null : Number(e.spec_k),
       specDrafted: Number(e.spec_draft_tokens) || 0, specAccepted: Number(e.spec_accepted) || 0,
-      specOff: e.spec_off || "" });
+      specOff: e.spec_off || "", loras: Number(e.loras) || 0 });
     if (e.spec_k !== undefined) {  // the executor speculates (--speculative-config)
       const s = this.spec || (this.spec = { drafted: 0, accepted: 0 });
       s.drafted += Number(e.spec_draft_tokens) || 0; s.accepted += Number(e.spec_accepted) || 0;
     }
   };
+  // the executor's resident LoRA adapters (--enable-lora): loaded, evicted
+  P.loraLoaded = function (e) {
+    const m = this.loras || (this.loras = new Map());
+    m.set((e.replica || "") + "/" + e.digest,
+      { name: String(e.lora), rank: Number(e.rank) || 0, replica: e.replica || "" });
+  };
+  P.loraEvicted = function (e) { if (this.loras) this.loras.delete((e.replica || "") + "/" + e.digest); };
 })(window.MR = window.MR || {});

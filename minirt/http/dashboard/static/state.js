@@ -40,6 +40,8 @@
     "executor.prefill_done": "prefillDone",
     "executor.step": "step",
     "executor.rejected": "rejected",
+    "executor.lora_loaded": "loraLoaded",
+    "executor.lora_evicted": "loraEvicted",
     "client.received": "received",          // tokenizer (front door)
     "client.completed": "completed",
     "client.aborted": "aborted",
@@ -89,6 +91,7 @@
       this.tail = new Ring(c.tail);     // the latest raw events
       this.disk = null;                 // the disk tier: {capacity, bytes, loadedTokens, bad}
       this.spec = null;                 // speculative decoding so far: {drafted, accepted}
+      this.loras = null;                // LoRA adapters resident: "replica/digest" -> {name, rank}
       this.kv = new Map();              // replica -> {total, blockSize, free, inUse, cachedOnly}
       this.config = {};
       this.sched = { running: 0, waiting: 0 };
