@@ -39,28 +39,38 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_adapters(model: Path, work: Path, rank: int) -> dict[str, Path]:
-    """Rank-``rank`` adapters on all seven linears, random factors (made once)."""
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(
+    base: Path, out: Path, r: int, seed: int, targets: list[str] | None = None, std: float = 0.05
+) -> Path:
+    """A PEFT adapter of rank ``r`` on ``base`` (``targets``: all seven linears by default),
+    its factors random (``std``), saved in ``out``: nothing downloaded."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets or ALL, lora_dropout=0.0)
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def make_adapters(model: Path, work: Path, rank: int) -> dict[str, Path]:
+    """Rank-``rank`` adapters on all seven linears, random factors (made once)."""
     out = {}
     for i, name in enumerate(NAMES):
         path = work / "adapters" / f"{model.name}-r{rank}-{name}"
         out[name] = path
-        if (path / "adapter_model.safetensors").exists():
-            continue
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
-        peft_model = get_peft_model(base, cfg)
-        gen = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for n, p in peft_model.named_parameters():
-                if "lora_" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        peft_model.save_pretrained(path)
+        if not (path / "adapter_model.safetensors").exists():
+            make_adapter(model, path, rank, i, std=0.02)
     return out
 
 

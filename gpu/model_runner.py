@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from actors.shared.grammar import Compiled
-from actors.shared.lora import ModelDims
 from gpu.logits_processors import LogitsProcessors
-from gpu.lora.slots import LoraBatch, LoraSlots
+from gpu.lora.slots import LoraSlots
 from gpu.model import cpu_tuning, loader
 from gpu.model.attention import build_metadata
 from gpu.model.kv_cache import PagedKVCache, loaded_pool
@@ -167,20 +166,7 @@ class ModelRunner:
         self.lora_slots: LoraSlots | None = None
         if max_loras > 0:
             self.requests.max_loras = max_loras
-            self.lora_slots = LoraSlots(
-                ModelDims(
-                    spec.hidden_size,
-                    spec.intermediate_size,
-                    spec.num_layers,
-                    spec.num_heads * spec.head_dim,
-                    spec.num_kv_heads * spec.head_dim,
-                ),
-                max_loras,
-                max_lora_rank,
-                self.model.attn_dtype,
-                self.model.mlp_dtype,
-                self.device,
-            )
+            self.lora_slots = LoraSlots.of(self.model, max_loras, max_lora_rank, self.device)
         # a run's adapter by digest, resident (set by the executor core's adapter cache)
         self.adapter: Callable[[str], Any] = lambda key: None
         # the start's step-time model: two forwards timed now. It seeds the adaptive budget, and
@@ -344,7 +330,7 @@ class ModelRunner:
         # the grammar masks (a draft row's past the drafts before it), while the forward runs
         masking = self.structured.start(samplers, batch.offsets, drafts)
         longs = functools.partial(torch.tensor, dtype=torch.long, device=dev)
-        lora = self._lora_batch(batch) if self.lora_slots is not None else None
+        lora = self.lora_slots.rows(batch.owners) if self.lora_slots is not None else None
         x = self.model.trunk(longs(batch.ids), longs(batch.pos), meta, self.cache, lora)
         read = longs(batch.logit_rows + batch.score_rows)
         logits, pooled = self.model.logits(x, read), pool(self.model, x, batch)  # + embeddings
@@ -415,18 +401,6 @@ class ModelRunner:
             pooled=pooled,
             loras=lora.adapters if lora is not None else 0,
         )
-
-    def _lora_batch(self, batch: step_batch.StepBatch) -> LoraBatch | None:
-        """The step's adapters in their slots and each row's mask; None: no row uses one."""
-        assert self.lora_slots is not None
-        adapters = {r.lora.key: r.lora for r, _ in batch.owners if r.lora is not None}
-        if not adapters:
-            return None
-        slot = self.lora_slots.assign(list(adapters.values()))
-        per = [slot[r.lora.key] if r.lora is not None else -1 for r, _ in batch.owners]
-        counts = [n for _, n in batch.owners]
-        rows = torch.tensor(per).repeat_interleave(torch.tensor(counts))
-        return self.lora_slots.batch(rows, len(adapters))
 
     def _spec_plan(self, decodes: list[RequestState], rows: int) -> SpecPlan | None:
         """The step's drafts (``gpu/spec/plan.py``); None when speculation is off."""

@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 import zmq
 
@@ -213,6 +212,7 @@ class TokenizerActor(Actor):
                 self.prompts,
                 self.parsers,
                 self.cfg.runner,
+                self.loras,
             )
         except Invalid as e:
             self.log.info(
@@ -226,23 +226,6 @@ class TokenizerActor(Actor):
             self._refuse(ident, rid, ErrorCode(e.code), str(e), e.field)
             return
         ids, params = checked.ids, checked.params
-        try:
-            if msg.params.lora is not None:
-                raise LoraError("params.lora", "set by the server: name the adapter in lora")
-            lora = self.loras.resolve(msg.lora)
-        except LoraError as e:
-            self.log.info(
-                "client.rejected",
-                request_id=internal,
-                client_request_id=rid,
-                code=ErrorCode.INVALID,
-                field=e.field,
-                reason=e.reason,
-            )
-            self._refuse(ident, rid, ErrorCode.INVALID, str(e), e.field)
-            return
-        if lora is not None:
-            params = msgspec.structs.replace(params, lora=lora)
         why = check_resume_ids(msg.resume_ids, params, self.vocab_size)
         if why:
             self._refuse(ident, rid, ErrorCode.INVALID, f"resume_ids: {why}", "resume_ids")
@@ -262,8 +245,8 @@ class TokenizerActor(Actor):
         salt = msg.cache_salt
         if params.prompt_logprobs is not None or params.pooling == "mean":
             salt = f"{salt}\x00whole:{internal}"  # its prompt computed whole: a salt of its own
-        if lora is not None:  # an adapter's KV is its own: shared only under the same adapter
-            salt = f"{salt}\x00lora:{lora.digest}"
+        if params.lora is not None:  # an adapter's KV is its own: shared only under it
+            salt = f"{salt}\x00lora:{params.lora.digest}"
         resume = Resume(ids, params, time.time(), grammar=checked.grammar, cache_salt=salt)
         # a peer died and is being restarted: the request waits, as a resumed one does, and is
         # submitted once the runtime serves (or fails after the resume window, resume.py)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.runtime.config import LoraConfig
+from actors.runtime.lora_config import LoraConfig
 from actors.shared.lora import LoraError, ModelDims, inspect
 from messages.client import LoraInfo
 from messages.common import LoraRef

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from actors.shared.grammar import GrammarCache, GrammarError, hf_llg_tokenizer
+from actors.shared.lora import LoraError
 from messages.common import ErrorCode, SamplingParams, StructuredOutput, validate_params
 from messages.tokenizer import Generate
 from tokenizer_svc.agent.tools import (
@@ -29,6 +30,9 @@ from tokenizer_svc.agent.tools import (
     tool_parser_for,
     tools_grammar,
 )
+
+if TYPE_CHECKING:
+    from tokenizer_svc.loras import Loras
 
 MAX_STOP_STRINGS = 16
 MAX_CACHE_SALT = 256  # characters of a cache_salt (as the HTTP door bounds it)
@@ -119,10 +123,12 @@ def check_request(
     prompts: Prompts,
     parsers: Parsers = Parsers(),
     runner: str = "generate",
+    loras: Loras | None = None,
 ) -> Checked:
     """The request checked, tokenized and its constraint compiled, or raises ``Invalid``
     naming the field and why. ``runner``: the server's ``--runner`` (``pooling``: embeddings
-    only, every request with ``params.pooling``; else none)."""
+    only, every request with ``params.pooling``; else none). ``loras``: the adapters served
+    (``generate.lora`` becomes ``params.lora``); None: none."""
     given = [n for n in ("prompt", "messages", "prompt_ids") if getattr(msg, n) is not None]
     if len(given) != 1:
         raise Invalid(
@@ -158,6 +164,16 @@ def check_request(
             if reading.tool_parser and msg.tool_choice != "auto":  # the tools' grammar
                 raise Invalid(e.code, "tools", e.reason) from None
             raise
+    if params.lora is not None:
+        raise Invalid(ErrorCode.INVALID, "params.lora", "set by the server: name it in lora")
+    if msg.lora:
+        try:
+            ref = loras.resolve(msg.lora) if loras is not None else None
+        except LoraError as e:
+            raise Invalid(ErrorCode.INVALID, e.field, e.reason) from None
+        if ref is None:
+            raise Invalid(ErrorCode.INVALID, "lora", "no LoRA adapters served (--enable-lora)")
+        params = msgspec.structs.replace(params, lora=ref)
     if len(msg.cache_salt) > MAX_CACHE_SALT:
         raise Invalid(ErrorCode.INVALID, "cache_salt", f"at most {MAX_CACHE_SALT} characters")
     if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):

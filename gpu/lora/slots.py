@@ -14,6 +14,7 @@ no weights merged; a row never meets another adapter's factors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -156,6 +157,32 @@ class LoraSlots:
         self.owner[i] = a.key
         self.scale[i] = a.scaling
         self.writes += 1
+
+    @classmethod
+    def of(cls, model: Any, max_loras: int, max_rank: int, device: torch.device) -> LoraSlots:
+        """Slots shaped for ``model`` (``gpu.model.llama.LlamaFamilyModel``): its linears'
+        shapes, the attention's and the MLP's dtypes."""
+        sp = model.spec
+        dims = ModelDims(
+            sp.hidden_size,
+            sp.intermediate_size,
+            sp.num_layers,
+            sp.num_heads * sp.head_dim,
+            sp.num_kv_heads * sp.head_dim,
+        )
+        return cls(dims, max_loras, max_rank, model.attn_dtype, model.mlp_dtype, device)
+
+    def rows(self, owners: list[tuple[Any, int]]) -> LoraBatch | None:
+        """The step whose rows belong to ``owners`` (request, rows) in order, each request
+        with its adapter (``RequestState.lora``) put in a slot; None when no row uses one."""
+        adapters = {r.lora.key: r.lora for r, _ in owners if r.lora is not None}
+        if not adapters:
+            return None
+        slot = self.assign(list(adapters.values()))
+        per = torch.tensor([slot[r.lora.key] if r.lora is not None else -1 for r, _ in owners])
+        return self.batch(
+            per.repeat_interleave(torch.tensor([n for _, n in owners])), len(adapters)
+        )
 
     def batch(self, row_slots: torch.Tensor, adapters: int) -> LoraBatch:
         """The step whose row ``t`` runs with slot ``row_slots[t]`` (-1: none), ``adapters`` of

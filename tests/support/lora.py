@@ -7,33 +7,9 @@ from pathlib import Path
 
 import torch
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from benchmarks.lora import make_adapter
 
-
-def make_adapter(
-    base: Path, out: Path, r: int, seed: int, targets: list[str] | None = None, alpha: int = 0
-) -> Path:
-    """A PEFT adapter of rank ``r`` on ``base`` with random (not zero) factors, saved in
-    ``out``."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = LoraConfig(
-        r=r,
-        lora_alpha=alpha or 2 * r,
-        target_modules=targets or ALL,
-        lora_dropout=0.0,
-        init_lora_weights=False,
-    )
-    peft_model = get_peft_model(model, cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    peft_model.save_pretrained(out)
-    return out
+__all__ = ["make_adapter", "peft_greedy"]
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], n: int) -> list:
