@@ -48,7 +48,7 @@ class ExecutorActor(Actor):
         spec = self.ex.speculative  # room for a step's drafts, asked beyond the lookahead
         loras = None
         if cfg.lora.enable_lora:
-            loras = AdapterCache(cfg.lora.resident, self.ex.requests.loras_in_use)
+            loras = AdapterCache(cfg.lora.resident, self.ex.requests.loras_in_use, self.log)
             self.ex.adapter = loras.get
         self.store = disk_jobs.open_store(cfg, self.ex) if cfg.kv.disk_dir else None
         self.core = ExecutorCore(

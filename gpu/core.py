@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from actors.shared.grammar import Compiled, GrammarCache, GrammarError
-from actors.shared.lora import LoraError
 from gpu.disk.io import DiskIO, DiskRead, DiskWritten
 from gpu.lora.cache import AdapterCache, LoraLoaded
 from gpu.publish import step_messages
@@ -237,32 +236,12 @@ class ExecutorCore:
 
     def _lora_loaded(self, msg: LoraLoaded) -> None:
         assert self.loras is not None
-        runs, evicted = self.loras.done(msg)
-        ref = msg.ref
-        for a in evicted:
-            self.log.info("executor.lora_evicted", lora=a.name, digest=a.key)
-        if isinstance(msg.result, LoraError):
-            self.log.warning(
-                "executor.lora_failed",
-                lora=ref.name,
-                field=msg.result.field,
-                reason=msg.result.reason,
-            )
-            for run in runs:
-                self._reject(run, ExecutorInputError(run.request_id, "lora", str(msg.result)))
-            return
-        self.log.info(
-            "executor.lora_loaded",
-            lora=ref.name,
-            digest=ref.digest,
-            rank=ref.rank,
-            bytes=msg.result.nbytes(),
-            seconds=round(msg.seconds, 6),
-            resident=len(self.loras.resident),
-            waiting_runs=len(runs),
-        )
+        runs, failed = self.loras.done(msg)
         for run in runs:
-            self._match(run)
+            if failed is None:
+                self._match(run)
+            else:
+                self._reject(run, ExecutorInputError(run.request_id, "lora", str(failed)))
 
     def _match(self, msg: xm.Run) -> None:
         """Start a run now, or once its matcher is built."""

@@ -44,7 +44,7 @@ from gpu.spec.ngram import NgramTokens
 from gpu.spec.plan import SpecPlan, plan_drafts
 from gpu.spec.verify import SpecStats, accepted
 from gpu.step import batch as step_batch
-from gpu.step.budget import SEED_ROWS, AdaptiveBudget, measure_seed
+from gpu.step.budget import AdaptiveBudget
 from gpu.step.plan import StepBudget
 from gpu.structured.engine import StructuredEngine
 from messages.common import SamplingParams
@@ -161,28 +161,20 @@ class ModelRunner:
             self.device,
         )
         self.requests = RequestTable(self.budget, block_size, num_blocks, self.max_model_len)
-        # LoRA (--enable-lora): --max-loras slots of adapter factors a step's rows use; the
-        # adapters resident in host memory are the executor core's (gpu/lora/cache.py)
+        # LoRA: a step's adapters' slots; ``adapter``: a resident one (gpu/lora/cache.py)
         self.lora_slots: LoraSlots | None = None
         if max_loras > 0:
             self.requests.max_loras = max_loras
             self.lora_slots = LoraSlots.of(self.model, max_loras, max_lora_rank, self.device)
-        # a run's adapter by digest, resident (set by the executor core's adapter cache)
         self.adapter: Callable[[str], Any] = lambda key: None
-        # the start's step-time model: two forwards timed now. It seeds the adaptive budget, and
-        # is logged under either policy so a replay can run the run under the other one.
-        run = spec_cost.model_forward(
-            self.model, spec, self.kv_dtype, self.device, block_size, SEED_ROWS, False
-        )
-        self.seed_costs = measure_seed(run)
+        # the start's step-time model (the adaptive budget's seed) and what a step's rows cost
+        self.seed_costs, self.spec_cost = spec_cost.timed_at_start(
+            self.model, spec, self.kv_dtype, self.device, block_size, bool(self.speculative),
+            spec_rows,
+        )  # fmt: skip
         self.adaptive: AdaptiveBudget | None = None
         if budget_policy == "adaptive":
             self.adaptive = AdaptiveBudget(self.seed_costs, step_budget, step_target_ms / 1000.0)
-        # what a step's rows cost, which prices draft rows (gpu/spec/cost.py): timed now
-        self.spec_cost = spec_cost.StepCost.flat(spec_rows or 1)
-        if self.speculative is not None and not spec_rows:
-            run = spec_cost.model_forward(self.model, spec, self.kv_dtype, self.device, block_size)
-            self.spec_cost = spec_cost.StepCost(spec_cost.measure(run))
         # Structured output: compiled constraints (bounded cache) and the step's token masks.
         self.structured = StructuredEngine(
             model_dir, self.vocab_size, list(self.eos_token_ids), self.device
@@ -262,12 +254,10 @@ class ModelRunner:
         )
         if self.speculative is not None:  # its proposer (gpu/spec/plan.py)
             req.ngram = NgramTokens(prompt)
-        if params.lora is not None:
+        if params.lora is not None:  # resident: the executor core loaded it first
             req.lora = self.adapter(params.lora.digest)
-            if self.lora_slots is None or req.lora is None:
-                raise ExecutorInputError(
-                    request_id, "lora", f"adapter {params.lora.name!r} is not loaded here"
-                )
+            if req.lora is None:
+                raise ExecutorInputError(request_id, "lora", f"{params.lora.name!r} not loaded")
         self.requests.add(req)
 
     def start(self, run: Run, grammar: Compiled | None) -> None:
@@ -349,15 +339,8 @@ class ModelRunner:
             self.spec_cost.observe(len(batch.ids), forward_s)
         lps, tops = row_logprobs(logits, tokens_t, [r.params for r in samplers])  # before the mask
 
-        outputs: list[TokenOutput] = []
+        outputs = step_batch.prefilled(chunks)  # the chunks' progress
         failed: list[tuple[str, str, str]] = []
-        for req, c in chunks:
-            req.computed += c
-            if req.computed < len(req.prompt):
-                n_prompt = len(req.prompt) - req.prior
-                outputs.append(
-                    TokenOutput(req.rid, None, None, None, None, False, n_prompt, req.prior)
-                )
         stats = SpecStats(off=sp.off) if sp is not None else None
         emit = functools.partial(
             step_batch.emit, self.requests, self.structured, self.max_model_len

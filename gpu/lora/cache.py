@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from actors.shared.lora import LoraError, read_tensors
 from messages.common import LoraRef
@@ -50,8 +50,9 @@ def load_adapter(ref: LoraRef) -> LoraLoaded:
 
 
 class AdapterCache:
-    def __init__(self, max_resident: int, in_use: Callable[[], set[str]]) -> None:
+    def __init__(self, max_resident: int, in_use: Callable[[], set[str]], log: Any) -> None:
         self.max_resident = max_resident
+        self.log = log
         self.in_use = in_use  # the digests the requests in flight run with
         self.resident: OrderedDict[str, Adapter] = OrderedDict()
         self.waiting: dict[str, list[Run]] = {}  # by digest: runs waiting for its load
@@ -80,20 +81,35 @@ class AdapterCache:
         out, self._new = self._new, []
         return out
 
-    def done(self, loaded: LoraLoaded) -> tuple[list[Run], list[Adapter]]:
-        """The runs that waited for ``loaded`` (its adapter is resident now, unless it failed)
-        and the adapters evicted to make room."""
+    def done(self, loaded: LoraLoaded) -> tuple[list[Run], LoraError | None]:
+        """The runs that waited for ``loaded``, and why they cannot run (None: its adapter is
+        resident now, the ones used longest ago by no request evicted to make room)."""
         runs = self.waiting.pop(loaded.ref.digest, [])
-        evicted: list[Adapter] = []
-        if not isinstance(loaded.result, LoraError):
-            self.resident[loaded.ref.digest] = loaded.result
-            busy = self.in_use() | set(self.waiting) | {loaded.ref.digest}
-            for key in list(self.resident):
-                if len(self.resident) <= self.max_resident:
-                    break
-                if key not in busy:
-                    evicted.append(self.resident.pop(key))
-        return runs, evicted
+        ref, result = loaded.ref, loaded.result
+        if isinstance(result, LoraError):
+            self.log.warning(
+                "executor.lora_failed", lora=ref.name, field=result.field, reason=result.reason
+            )
+            return runs, result
+        self.resident[ref.digest] = result
+        busy = self.in_use() | set(self.waiting) | {ref.digest}
+        for key in list(self.resident):
+            if len(self.resident) <= self.max_resident:
+                break
+            if key not in busy:
+                gone = self.resident.pop(key)
+                self.log.info("executor.lora_evicted", lora=gone.name, digest=gone.key)
+        self.log.info(
+            "executor.lora_loaded",
+            lora=ref.name,
+            digest=ref.digest,
+            rank=ref.rank,
+            bytes=result.nbytes(),
+            seconds=round(loaded.seconds, 6),
+            resident=len(self.resident),
+            waiting_runs=len(runs),
+        )
+        return runs, None
 
     def drop(self, request_id: str, attempt: int | None = None) -> bool:
         """Stop waiting for the request's adapter (that attempt's, if given)."""

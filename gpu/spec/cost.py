@@ -33,6 +33,7 @@ import torch
 
 from gpu.model.attention import build_metadata
 from gpu.model.kv_cache import PagedKVCache
+from gpu.step.budget import SEED_ROWS, Costs, measure_seed
 
 LADDER = (*range(1, 17), 20, 24, 32, 48, 64)
 ROUNDS = 3
@@ -147,3 +148,23 @@ def model_forward(
         float(logits[-1, 0])  # waits for the device
 
     return run
+
+
+def timed_at_start(
+    model,
+    spec,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    speculating: bool,
+    spec_rows: int | None,
+) -> tuple[Costs, StepCost]:
+    """The start's timings: the step-time model from two forwards (``gpu/step/budget.py``'s
+    seed, logged under either budget policy so a replay can run the other), and what a step's
+    rows cost, which prices draft rows: timed when speculating without ``spec_rows``, else
+    flat in steps of up to ``spec_rows``."""
+    seed = measure_seed(model_forward(model, spec, kv_dtype, device, block_size, SEED_ROWS, False))
+    rows = StepCost.flat(spec_rows or 1)
+    if speculating and not spec_rows:
+        rows = StepCost(measure(model_forward(model, spec, kv_dtype, device, block_size)))
+    return seed, rows

@@ -102,6 +102,18 @@ def build(
     return b
 
 
+def prefilled(chunks: list[tuple[RequestState, int]]) -> list[TokenOutput]:
+    """Apply a step's prefill chunks to their requests: a progress output for each whose
+    prompt is not complete yet (a completed one samples, ``emit``)."""
+    out = []
+    for req, c in chunks:
+        req.computed += c
+        if req.computed < len(req.prompt):
+            n_prompt = len(req.prompt) - req.prior
+            out.append(TokenOutput(req.rid, None, None, None, None, False, n_prompt, req.prior))
+    return out
+
+
 def emit(
     requests: RequestTable,
     structured: StructuredEngine,
