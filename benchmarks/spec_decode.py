@@ -123,11 +123,13 @@ async def run_batch(
     batch: int,
     max_tokens: int,
     extra: dict[str, Any] | None = None,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
     """The prompts ``batch`` at a time, streamed (``benchmarks.http_load.complete``); output
     tokens/s over the whole run, the median TPOT (a request's time from its first token to its
     last over its tokens after the first) and the outputs. ``extra``: more fields of every
-    request's body (``response_format``)."""
+    request's body (``response_format``); ``temperature`` above 0: sampled, prompt ``i`` with
+    seed ``i`` (so both servers draw the same tokens)."""
     limit = trio.CapacityLimiter(batch)
     recs: list[Any] = [None] * len(prompts)
     t0 = time.perf_counter()
@@ -136,8 +138,11 @@ async def run_batch(
         async def one(i: int) -> None:
             async with limit:
                 job = TextJob(f"r{i}", 0, prompts[i])
+                body = dict(extra or {})
+                if temperature > 0:
+                    body.update(temperature=temperature, seed=i)
                 recs[i] = await complete(
-                    client, url, job, model=model, max_tokens=max_tokens, t0=t0, extra=extra
+                    client, url, job, model=model, max_tokens=max_tokens, t0=t0, extra=body
                 )
 
         async with trio.open_nursery() as nursery:
@@ -173,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,4,16,32")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--spec", default=json.dumps(SPEC), help="--speculative-config to compare")
+    p.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sample at this temperature, request i seeded with i (default 0: greedy)",
+    )  # fmt: skip
+    p.add_argument("--dtype", default="float32", help="both servers' --dtype")
+    p.add_argument("--workloads", help="only these workloads (comma-separated)")
     p.add_argument("--vllm", action="store_true", help="also vLLM's CPU server at batch 1")
     p.add_argument("--work", default=".minirt/bench-spec")
     p.add_argument("--out", default="docs/benchmarks/spec-decode")
@@ -192,23 +203,29 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in a.batches.split(",")]
 
     def kinds(b: int) -> list[str]:
-        return (
+        ks = (
             ["grounded", "free", "json"]
             if b < 16
             else ["grounded", "free"]
             if b < 32
             else ["mixed"]
         )
+        return [k for k in ks if not a.workloads or k in a.workloads.split(",")]
 
     plan = [(b, w) for b in batches for w in kinds(b)]
-    results: dict[str, Any] = {"model": str(model), "spec": json.loads(a.spec), "runs": []}
+    results: dict[str, Any] = {
+        "model": str(model), "spec": json.loads(a.spec), "dtype": a.dtype,
+        "temperature": a.temperature, "runs": [],
+    }  # fmt: skip
     with ExitStack() as stack:
         urls = {}
         for name, extra in (("spec", ["--speculative-config", a.spec]), ("base", [])):
             port = free_port()
             run = work / f"run-{name}-{int(time.time())}"
             rt = stack.enter_context(
-                start_runtime(model, run, "--http-port", str(port), *extra, timeout=600)
+                start_runtime(
+                    model, run, "--http-port", str(port), "--dtype", a.dtype, *extra, timeout=600
+                )
             )
             urls[name] = f"http://127.0.0.1:{port}"
             wait_health(urls[name], rt.proc, 300, run / "logs" / "http.log")
@@ -222,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     before = spec_counters(urls[name])
                     got = trio.run(
-                        run_batch, urls[name], str(model), prompts, b, a.max_tokens, EXTRA.get(w)
-                    )
+                        run_batch, urls[name], str(model), prompts, b, a.max_tokens,
+                        EXTRA.get(w), a.temperature,
+                    )  # fmt: skip
                     after = spec_counters(urls[name])
                     row[name] = {k: v for k, v in got.items() if k != "texts"}
                     row[name]["texts"] = got["texts"]
@@ -242,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results["runs"].append(row)
     if a.vllm:
-        results["vllm"] = vllm_batch1(model, loads, work, a.max_tokens)
+        results["vllm"] = vllm_batch1(model, loads, work, a.max_tokens, a.dtype, a.temperature)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for row in results["runs"]:
@@ -253,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def vllm_batch1(model: Path, loads: dict[str, list[list[int]]], work: Path, max_tokens: int):
+def vllm_batch1(
+    model: Path,
+    loads: dict[str, list[list[int]]],
+    work: Path,
+    max_tokens: int,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+) -> dict[str, Any]:
     import os
 
     from benchmarks.openai_servers import ensure_venv, vllm_server
@@ -261,11 +286,13 @@ def vllm_batch1(model: Path, loads: dict[str, list[list[int]]], work: Path, max_
     py = ensure_venv(Path(".minirt/bench-openai/vllm").absolute())
     threads = f"0-{len(os.sched_getaffinity(0)) - 1}"
     out = {}
-    flags = ["--gpu-memory-utilization", "0.25", "--max-model-len", "2048"]
+    flags = ["--gpu-memory-utilization", "0.25", "--max-model-len", "2048", "--dtype", dtype]
     with vllm_server(py, model, free_port(), work / "vllm.log", threads, flags) as url:
         trio.run(run_batch, url, str(model), loads["free"][:2], 2, 16)
         for w in ("grounded", "free"):
-            got = trio.run(run_batch, url, str(model), loads[w][:4], 1, max_tokens)
+            got = trio.run(
+                run_batch, url, str(model), loads[w][:4], 1, max_tokens, None, temperature
+            )
             out[w] = {k: v for k, v in got.items() if k != "texts"}
             print(f"vllm b=1 {w}: {got['tok_s']:.1f} tok/s", file=sys.stderr)
     return out
@@ -281,8 +308,9 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
         "python -m benchmarks.spec_decode " + " ".join(argv),
         "```",
         "",
-        f"Model `{Path(r['model']).name}`, float32, `--speculative-config '{json.dumps(r['spec'])}'`."
-        " Output tokens/s of each batch run (greedy, OpenAI completions with token-id prompts);"
+        f"Model `{Path(r['model']).name}`, {r.get('dtype', 'float32')}, `--speculative-config"
+        f" '{json.dumps(r['spec'])}'`. Output tokens/s of each batch run ({_sampling(r)}, OpenAI"
+        " completions with token-id prompts);"
         " the ratio is with / without, paired per round (the two servers alternate first); TPOT:"
         " the median over the requests of a request's time from its first streamed token to its"
         " last over its tokens after the first (median of the rounds).",
@@ -325,6 +353,11 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
                 f"{vt} / {_tpot(rows, 'spec')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _sampling(r: dict[str, Any]) -> str:
+    t = r.get("temperature", 0.0)
+    return f"sampled at temperature {t}, request i seeded with i" if t else "greedy"
 
 
 def _tpot(rows: list[dict[str, Any]], name: str) -> str:

@@ -40,6 +40,7 @@ from gpu.requests import (
 from gpu.sampling import row_logprobs, sample_rows, split_scores
 from gpu.spec import config as spec_config
 from gpu.spec import cost as spec_cost
+from gpu.spec.explore import Allowance
 from gpu.spec.ngram import NgramTokens
 from gpu.spec.plan import SpecPlan, plan_drafts
 from gpu.spec.verify import SpecStats, accepted
@@ -172,6 +173,7 @@ class ModelRunner:
             self.model, spec, self.kv_dtype, self.device, block_size, bool(self.speculative),
             spec_rows,
         )  # fmt: skip
+        self.explore = Allowance()  # what draft explorations may spend (gpu/spec/explore.py)
         self.adaptive: AdaptiveBudget | None = None
         if budget_policy == "adaptive":
             self.adaptive = AdaptiveBudget(self.seed_costs, step_budget, step_target_ms / 1000.0)
@@ -341,7 +343,7 @@ class ModelRunner:
 
         outputs = step_batch.prefilled(chunks)  # the chunks' progress
         failed: list[tuple[str, str, str]] = []
-        stats = SpecStats(off=sp.off) if sp is not None else None
+        stats = SpecStats.of(sp) if sp is not None else None
         emit = functools.partial(
             step_batch.emit, self.requests, self.structured, self.max_model_len
         )
@@ -349,9 +351,9 @@ class ModelRunner:
             n = 1
             if d:
                 n += accepted(tokens[i : i + len(d)], d)
-                assert stats is not None and req.ngram is not None
+                assert sp is not None and stats is not None and req.ngram is not None
                 req.ngram.settle(len(d), n - 1)
-                stats.add(req.rid, len(d), n - 1)
+                stats.add(req.rid, len(d), n - 1, req.rid in sp.explored)
             if req.out:  # a decode: its input and accepted drafts are in the cache now
                 req.computed += n
             for j in range(i, i + n):
@@ -390,11 +392,6 @@ class ModelRunner:
         if self.speculative is None:
             return None
         return plan_drafts(
-            decodes,
-            rows,
-            self.speculative,
-            self.budget.step_budget,
-            self.spec_cost,
-            self.block_size,
-            self.max_model_len,
-        )
+            decodes, rows, self.speculative, self.budget.step_budget, self.spec_cost,
+            self.block_size, self.max_model_len, self.explore,
+        )  # fmt: skip

@@ -14,6 +14,10 @@
 #include <string.h>
 
 #define RB 12 /* rows per block of the packed copy */
+/* float32 rows read in place (gemv_M); more go through the transposed scratch. On SmolLM2's
+ * linears (Zen 4, 2 threads) 5-8 rows took 26.7-26.9 ms in place against 28.1-28.5 through the
+ * 16-column body (a speculating lone request's 1 + 4 drafts), 10-12 rows 31 against 29-30 */
+#define GEMV_MAX 8
 
 int64_t rows_packed_len(int64_t n, int64_t k) {
     /* floats in the packed copy: whole blocks, plus one vector of slack for masked loads */
@@ -22,8 +26,8 @@ int64_t rows_packed_len(int64_t n, int64_t k) {
 
 int64_t rows_scratch_len(int64_t m, int64_t k) {
     /* floats of rows_gemm_f32's xT scratch for m rows: x transposed, 16 columns for m <= 16,
-       else groups of 32; none for m <= 4 (those rows are read in place) */
-    if (m <= 4) return 0;
+       else groups of 32; none for m <= GEMV_MAX (those rows are read in place) */
+    if (m <= GEMV_MAX) return 0;
     return (m <= 16 ? 16 : (m + 31) / 32 * 32) * k;
 }
 
@@ -72,7 +76,7 @@ BODY(24, 1)
 BODY(12, 1)
 BODY(12, 2)
 
-/* 1-4 rows: the 12 weights of one k are one (masked) vector, times x[m][k] broadcast; one block
+/* 1-GEMV_MAX rows: the 12 weights of one k are one (masked) vector, times x[m][k] broadcast; one block
  * at a time. Lane r of acc[m] is output row b * RB + r. Streaming one block per thread beat
  * interleaving 2, 4 or 8 blocks' streams (more independent chains) by 10-25% on a Zen 5 with
  * the weights in DRAM (2 threads: the bench model's LM head at 1 row 1.73 vs 2.27 ms); the
@@ -82,17 +86,17 @@ BODY(12, 2)
                          float *restrict tmp) {                                             \
         const float *restrict x = x_, *restrict w = w_;                                     \
         __m512 acc[M];                                                                      \
-        _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();  \
+        _Pragma("GCC unroll 12") for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(); \
         for (int64_t k = 0; k < K; k++) {                                                   \
             _mm_prefetch((const char *)(w + k * RB) + PF_BYTES, _MM_HINT_T2);               \
             __m512 wv = _mm512_maskz_loadu_ps(0x0FFF, w + k * RB);                          \
-            _Pragma("GCC unroll 4") for (int m = 0; m < M; m++)                             \
+            _Pragma("GCC unroll 12") for (int m = 0; m < M; m++)                            \
                 acc[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * xs + k]), acc[m]);        \
         }                                                                                   \
-        _Pragma("GCC unroll 4") for (int m = 0; m < M; m++)                                 \
+        _Pragma("GCC unroll 12") for (int m = 0; m < M; m++)                                \
             _mm512_store_ps(tmp + m * 16, acc[m]);                                          \
     }
-GEMV(1) GEMV(2) GEMV(3) GEMV(4)
+GEMV(1) GEMV(2) GEMV(3) GEMV(4) GEMV(5) GEMV(6) GEMV(7) GEMV(8)
 /* The kernels of one dtype, for rows_drive: 1..gemv_max rows in place, more through xT. */
 typedef void (*rows_gemv_fn)(const void *, int64_t, const void *, int64_t, float *);
 typedef void (*rows_body_fn)(const void *, const void *, int64_t, float *);
@@ -108,7 +112,8 @@ typedef struct {
 } rows_kernels;
 typedef uint32_t word __attribute__((may_alias)); /* a float, or a pair of bf16 along k */
 
-static const rows_gemv_fn GEMV_M[5] = {0, gemv_1, gemv_2, gemv_3, gemv_4};
+static const rows_gemv_fn GEMV_M[GEMV_MAX + 1] = {0,      gemv_1, gemv_2, gemv_3, gemv_4,
+                                                  gemv_5, gemv_6, gemv_7, gemv_8};
 
 static void put_f32(void *out_, int64_t N, int64_t M, int64_t n0, int64_t rows, const void *bias_,
                     const float *tmp, int64_t m_step, int64_t r_step) {
@@ -177,7 +182,7 @@ int rows_gemm_vector(void) { return 1; }
  * xT: 64-byte aligned scratch of rows_scratch_len(M, K) floats. */
 void rows_gemm_f32(const float *x, int64_t xs, int64_t M, const float *w, const float *bias,
                    int64_t N, int64_t K, float *xT, float *out) {
-    static const rows_kernels f32 = {GEMV_M, 4, body_24_1, body_12_1, body_12_2, put_f32, 4};
+    static const rows_kernels f32 = {GEMV_M, GEMV_MAX, body_24_1, body_12_1, body_12_2, put_f32, 4};
     rows_drive(&f32, (const word *)x, xs, M, (const word *)w, bias, N, K, (word *)xT, (char *)out);
 }
 #if defined(__AVX512BF16__)

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from gpu.spec.explore import STALE_STEPS
+
 # how a request's acceptance is estimated (see NgramTokens.settle)
 PRIOR = (1.0, 2.0)  # accepted drafts, rejections: a fresh request's estimate is a third
 DECAY = 0.9  # per verification: the latest runs weigh most (a reply copies, then it does not)
@@ -50,15 +52,17 @@ def propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
 class NgramTokens:
     """One request's tokens for the proposer: its prompt, then each output as it comes; and
     how its drafts have fared (``accept``: the estimated chance that a draft is accepted given
-    the drafts before it were)."""
+    the drafts before it were; ``since``: its decode steps since it last verified drafts,
+    :data:`~gpu.spec.explore.STALE_STEPS` before the first, which makes it due to explore)."""
 
-    __slots__ = ("buf", "hits", "misses", "n")
+    __slots__ = ("buf", "hits", "misses", "n", "since")
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.n = len(tokens)
         self.buf = np.empty(max(64, 2 * self.n), dtype=np.int32)
         self.buf[: self.n] = tokens
         self.hits, self.misses = PRIOR
+        self.since = STALE_STEPS
 
     @property
     def accept(self) -> float:
@@ -70,6 +74,7 @@ class NgramTokens:
         kept (a geometric run's maximum-likelihood estimate), the older ones decayed."""
         self.hits = DECAY * self.hits + accepted
         self.misses = DECAY * self.misses + (accepted < drafted)
+        self.since = 0
 
     def __len__(self) -> int:
         return self.n

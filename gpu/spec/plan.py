@@ -25,10 +25,18 @@ proposal is cut at the first it rejects), and each of its rows is masked as the 
 after the drafts before it (``gpu/structured/masks.py``), so its targets are the tokens it
 would emit without speculation.
 
-``off``: why no decode speculates this step: ``cost`` (no draft would raise the step's expected
-tokens per second), ``budget`` (no step budget left), ``room`` (no block room, or one output
-left), ``no_match`` (no n-gram found), ``grammar`` (the grammar rejects the
-proposal's first token), ``no_decodes``.
+Estimates that say drafts do not pay are tested too (``gpu/spec/explore.py``): a request
+whose acceptance is unknown or stale verifies its whole proposal anyway, stalest first, while
+the exploration allowance lasts (at most a few percent of the forward time).
+
+What the plan says of itself (the ``executor.step`` event's ``spec_*`` fields): ``off``, why no
+decode speculates this step: ``cost`` (no draft would raise the step's expected tokens per
+second), ``budget`` (no step budget left), ``room`` (no block room, or one output left),
+``no_match`` (no n-gram found), ``grammar`` (the grammar rejects the proposal's first token),
+``no_decodes``; ``why``: that reason per decode that verifies none (``off`` too: admitted with
+speculation off); ``explored``: the requests exploring; ``gain``: the kept drafts' expected
+tokens and ``price_s`` what their rows are priced; ``turned_down``: the first draft not kept,
+``(expected tokens, priced seconds)``, against the step's rate ``rate`` (tokens per second).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpu.spec.config import SpecConfig
+from gpu.spec.explore import Allowance, due
 
 # draft rows' price in times the table's (``gpu/spec/cost.py``, timed on forwards alone): at the
 # table's price large batches lost to their drafts (docs/benchmarks/spec-decode/README.md)
@@ -52,6 +61,13 @@ if TYPE_CHECKING:
 class SpecPlan:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> its drafts
     off: str | None = None  # why no decode speculates (None: some do)
+    why: Counter[str] = field(default_factory=Counter)  # per decode verifying none, why
+    explored: list[str] = field(default_factory=list)  # requests verifying as exploration
+    gain: float = 0.0  # expected tokens of the drafts kept on their price (not explorations)
+    price_s: float = 0.0  # the priced forward seconds those drafts add
+    explore_s: float = 0.0  # and those the explorations add
+    rate: float = 0.0  # the step's expected tokens per second as planned
+    turned_down: tuple[float, float] | None = None  # the next draft's (tokens, seconds)
 
 
 def plan_drafts(
@@ -62,22 +78,82 @@ def plan_drafts(
     cost: StepCost,
     block_size: int,
     max_model_len: int,
+    allowance: Allowance | None = None,
 ) -> SpecPlan:
-    """Drafts for ``decodes`` in a step that already runs ``rows`` rows; see the module doc."""
+    """Drafts for ``decodes`` in a step that already runs ``rows`` rows; see the module doc.
+    ``allowance``: what explorations may spend (None: no exploration)."""
     if not decodes:
         return SpecPlan(off="no_decodes")
+    for r in decodes:
+        if r.ngram is not None:
+            r.ngram.since += 1
     left = step_budget - rows
     if left < 1:
-        return SpecPlan(off="budget")
+        return _none(decodes, "budget")
     base = len(decodes)  # tokens the step emits without drafts
-    accepts = [r.ngram.accept for r in decodes if r.ngram is not None]
     price = _Price(cost, base, rows)
-    if not price.may_pay(min(left, cfg.k * len(accepts)), max(accepts, default=0.0)):
-        return SpecPlan(off="cost")
-    why: Counter[str] = Counter()
-    proposals: list[tuple[RequestState, list[int], float]] = []
+    if allowance is not None:
+        allowance.earn(price.now)
+    accepts = [r.ngram.accept for r in decodes if r.ngram is not None]
+    pays = price.may_pay(min(left, cfg.k * len(accepts)), max(accepts, default=0.0))
+    stale = [r for r in decodes if r.ngram is not None and due(r.ngram.since)]
+    if not pays and (allowance is None or not stale):
+        return _none(decodes, "cost")
+    plan = SpecPlan(rate=price.bar)
+    looked = decodes if pays else stale  # (the others: no draft of theirs would pay)
+    proposals = _proposals(looked, cfg, left, block_size, max_model_len, plan)
+    counts: Counter[int] = Counter()
+    if pays and proposals:
+        # each draft's expected tokens: a ** j for the j-th of a request (a: its acceptance)
+        gains = sorted(
+            (-(a**j), n, j)
+            for n, (_, drafts, a) in enumerate(proposals)
+            for j in range(1, len(drafts) + 1)
+        )[:left]
+        best, keep, got = price.bar, 0, float(base)
+        for d, (g, _, _) in enumerate(gains, 1):
+            got -= g
+            if (v := price.rate(d, got)) > best:
+                best, keep = v, d
+        counts.update(n for _, n, _ in gains[:keep])
+        plan.gain = -sum(g for g, _, _ in gains[:keep])
+        plan.price_s = price.added(keep)
+        plan.rate = best
+        if keep < len(gains):
+            plan.turned_down = (-gains[keep][0], price.added(keep + 1) - plan.price_s)
+    for n, (req, drafts, _) in enumerate(proposals):
+        if counts[n]:
+            plan.drafts[req.rid] = drafts[: counts[n]]
+    if allowance is not None:
+        _explore(proposals, plan, price, left, allowance)
+    if pays:
+        if lost := sum(req.rid not in plan.drafts for req, _, _ in proposals):
+            plan.why["cost"] += lost
+    else:  # no draft would pay: that is why, whatever else the explorations' lookups found
+        plan.why = Counter({"cost": n} if (n := len(decodes) - len(plan.explored)) else {})
+    if not plan.drafts:
+        plan.off = plan.why.most_common(1)[0][0]
+    return plan
+
+
+def _none(decodes: list[RequestState], why: str) -> SpecPlan:
+    return SpecPlan(off=why, why=Counter({why: len(decodes)}))
+
+
+def _proposals(
+    decodes: list[RequestState],
+    cfg: SpecConfig,
+    left: int,
+    block_size: int,
+    max_model_len: int,
+    plan: SpecPlan,
+) -> list[tuple[RequestState, list[int], float]]:
+    """``(request, drafts, acceptance)`` of each decode with a proposal; the others' reasons
+    go to ``plan.why``."""
+    out = []
     for req in decodes:
         if req.ngram is None:  # admitted with speculation off
+            plan.why["off"] += 1
             continue
         total = len(req.prompt) + len(req.out)
         cap = min(
@@ -88,41 +164,46 @@ def plan_drafts(
             max_model_len - total - 1,
         )
         if cap < 1:
-            why["room"] += 1
+            plan.why["room"] += 1
             continue
         drafts = req.ngram.propose(cap, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if not drafts:
-            why["no_match"] += 1
+            plan.why["no_match"] += 1
             continue
         if req.grammar is not None:  # verified only as far as the grammar takes them
             drafts = drafts[: req.grammar.matcher.validate_tokens(drafts)]
             if not drafts:
-                why["grammar"] += 1
+                plan.why["grammar"] += 1
                 continue
-        proposals.append((req, drafts, req.ngram.accept))
-    plan = SpecPlan()
-    if not proposals:
-        plan.off = why.most_common(1)[0][0]
-        return plan
-    # each draft's expected tokens: a ** j for the j-th of a request (a: its acceptance)
-    gains = sorted(
-        (-(a**j), n, j)
-        for n, (_, drafts, a) in enumerate(proposals)
-        for j in range(1, len(drafts) + 1)
-    )[:left]
-    best, keep, got = price.bar, 0, float(base)
-    for d, (g, _, _) in enumerate(gains, 1):
-        got -= g
-        if (v := price.rate(d, got)) > best:
-            best, keep = v, d
-    if not keep:
-        plan.off = "cost"
-        return plan
-    counts = Counter(n for _, n, _ in gains[:keep])
-    for n, (req, drafts, _) in enumerate(proposals):
-        if counts[n]:
-            plan.drafts[req.rid] = drafts[: counts[n]]
-    return plan
+        out.append((req, drafts, req.ngram.accept))
+    return out
+
+
+def _explore(
+    proposals: list[tuple[RequestState, list[int], float]],
+    plan: SpecPlan,
+    price: _Price,
+    left: int,
+    allowance: Allowance,
+) -> None:
+    """Give the due requests that verify nothing their whole proposal, stalest first, while
+    the step budget and the allowance last (``gpu/spec/explore.py``)."""
+
+    def since(p: tuple[RequestState, list[int], float]) -> int:
+        return p[0].ngram.since if p[0].ngram is not None else 0  # (a proposal has one)
+
+    used = sum(len(d) for d in plan.drafts.values())
+    due_now = [p for p in proposals if p[0].rid not in plan.drafts and due(since(p))]
+    for req, drafts, _ in sorted(due_now, key=since, reverse=True):
+        if used + len(drafts) > left:
+            continue
+        extra = price.added(used + len(drafts)) - price.added(used)
+        if not allowance.spend(extra):
+            break
+        plan.drafts[req.rid] = drafts
+        plan.explored.append(req.rid)
+        plan.explore_s += extra
+        used += len(drafts)
 
 
 class _Price:
@@ -136,10 +217,14 @@ class _Price:
         self.decodes = cost(base) if base != rows else self.now
         self.bar = self.rate(0, base)  # the rate drafts must beat
 
+    def added(self, d: int) -> float:
+        """The table's seconds that ``d`` draft rows add to the step."""
+        return self.cost(self.rows + d) - self.now if d else 0.0
+
     def rate(self, d: int, tokens: float) -> float:
         if not d:
             return tokens / self.decodes
-        return tokens / (self.decodes + DRAFT_PRICE * (self.cost(self.rows + d) - self.now))
+        return tokens / (self.decodes + DRAFT_PRICE * self.added(d))
 
     def may_pay(self, most: int, accept: float) -> bool:
         """Whether some number of drafts, up to ``most``, each kept with chance ``accept`` at

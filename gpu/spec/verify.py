@@ -20,7 +20,10 @@ of its logits in another batch shape, as already between batches).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpu.spec.plan import SpecPlan
 
 
 def accepted(targets: list[int], drafts: list[int]) -> int:
@@ -37,8 +40,9 @@ class SpecStats:
     """A step's speculation, as vLLM V1's spec-decode counters count it: ``num_drafts``
     (requests that verified drafts), ``num_draft_tokens`` (drafts verified),
     ``num_accepted_tokens`` (drafts accepted); ``k``: the most drafts one request verified;
-    ``per_request``: ``[request_id, drafts, accepted]`` of each that speculated; ``off``: why
-    none did (``gpu/spec/plan.py``), else None."""
+    ``per_request``: ``[request_id, drafts, accepted]`` of each that speculated; ``explored``:
+    those of them that explored; ``off``: why none did (``gpu/spec/plan.py``), else None;
+    ``plan``: the plan, whose reasons the event carries (None in a replay)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -46,26 +50,50 @@ class SpecStats:
     k: int = 0
     per_request: list[tuple[str, int, int]] = field(default_factory=list)
     off: str | None = None
+    explored: list[str] = field(default_factory=list)
+    plan: SpecPlan | None = None
 
-    def add(self, request_id: str, drafts: int, accepted: int) -> None:
+    @classmethod
+    def of(cls, plan: SpecPlan) -> SpecStats:
+        return cls(off=plan.off, plan=plan)
+
+    def add(self, request_id: str, drafts: int, accepted: int, explored: bool = False) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted
         self.k = max(self.k, drafts)
         self.per_request.append((request_id, drafts, accepted))
+        if explored:
+            self.explored.append(request_id)
 
 
 def spec_fields(stats: SpecStats | None) -> dict[str, Any]:
     """The ``executor.step`` event's speculation fields (none when speculation is off):
     ``spec_k``, ``spec_drafts``, ``spec_draft_tokens``, ``spec_accepted``, ``spec`` (the
-    per-request ``[request_id, drafts, accepted]``) and ``spec_off``."""
+    per-request ``[request_id, drafts, accepted]``), ``spec_explore`` (those exploring) and
+    ``spec_off``; from the plan: ``spec_why`` (per reason, the decodes that verified none),
+    ``spec_gain`` and ``spec_price_ms`` (the drafts kept on their price: expected tokens, priced
+    time), ``spec_explore_ms``, ``spec_rate`` (the planned tokens per second) and
+    ``spec_turned_down`` (the next draft: ``[expected tokens, priced ms]``, or null)."""
     if stats is None:
         return {}
-    return {
+    out: dict[str, Any] = {
         "spec_k": stats.k,
         "spec_drafts": stats.num_drafts,
         "spec_draft_tokens": stats.num_draft_tokens,
         "spec_accepted": stats.num_accepted_tokens,
         "spec": [list(r) for r in stats.per_request],
+        "spec_explore": list(stats.explored),
         "spec_off": stats.off,
     }
+    if (p := stats.plan) is not None:
+        down = p.turned_down
+        out.update(
+            spec_why=dict(p.why),
+            spec_gain=round(p.gain, 3),
+            spec_price_ms=round(p.price_s * 1e3, 3),
+            spec_explore_ms=round(p.explore_s * 1e3, 3),
+            spec_rate=round(p.rate, 2),
+            spec_turned_down=None if down is None else [round(down[0], 3), round(down[1] * 1e3, 3)],
+        )
+    return out

@@ -44,15 +44,15 @@ class ScriptedRunner:
         block_size: int,
         num_blocks: int,
         script: Callable[[str], Script],
-        spec: Callable[[str], list[tuple[int, int]]] = lambda rid: [],
+        spec: Callable[[str], list[tuple[int, int, bool]]] = lambda rid: [],
     ) -> None:
         # (the recorded outputs already end where the model's length ended them)
         self.requests = RequestTable(budget, block_size, num_blocks, NO_LIMIT)
         self.script = script  # request id -> what it generates and when it finishes
         self.scripts: dict[str, Script] = {}
         self.block_size = block_size
-        self.spec = spec  # request id -> its recorded verifying steps: (drafts, accepted)
-        self.verifying: dict[str, deque[tuple[int, int]]] = {}
+        self.spec = spec  # request id -> its recorded verifying steps: (drafts, accepted, explored)
+        self.verifying: dict[str, deque[tuple[int, int, bool]]] = {}
 
     def start(self, run: Run, grammar: Compiled | None) -> None:
         self.requests.add(
@@ -74,17 +74,17 @@ class ScriptedRunner:
     def plan(self, prefill_cap: int | None = None) -> StepPlan | None:
         return self.requests.plan(prefill_cap) if self.requests.has_work() else None
 
-    def drafts(self, plan: StepPlan) -> dict[str, tuple[int, int]]:
+    def drafts(self, plan: StepPlan) -> dict[str, tuple[int, int, bool]]:
         """The step's speculation: each decode's next recorded (drafts, accepted), as many
         drafts as its blocks have room for."""
         out = {}
         for r in plan.decodes:
             left = self.verifying.get(r.rid)
             if left:
-                d, a = left.popleft()
+                d, a, explored = left.popleft()
                 d = min(d, len(r.table) * self.block_size - r.computed - 1)
                 if d > 0:
-                    out[r.rid] = (d, min(a, d))
+                    out[r.rid] = (d, min(a, d), explored)
         return out
 
     def finish(
@@ -92,22 +92,22 @@ class ScriptedRunner:
         plan: StepPlan,
         shape: StepShape,
         dt: float,
-        drafts: dict[str, tuple[int, int]] | None = None,
+        drafts: dict[str, tuple[int, int, bool]] | None = None,
     ) -> StepResult:
         """What the step ``plan`` (of ``shape``) produced after ``dt`` seconds: each sampling
         request's next token from its script (and the drafts it accepted, ``drafts``)."""
         drafts = drafts or {}
         sampling = [*plan.decodes, *plan.completing()]
         for r in plan.decodes:
-            r.computed += 1 + drafts.get(r.rid, (0, 0))[1]
+            r.computed += 1 + drafts.get(r.rid, (0, 0, False))[1]
         for r, c in plan.chunks:
             r.computed += c
         outputs = []
         stats = SpecStats() if drafts else None
         for r in sampling:
-            d, a = drafts.get(r.rid, (0, 0))
+            d, a, explored = drafts.get(r.rid, (0, 0, False))
             if stats is not None and d:
-                stats.add(r.rid, d, a)
+                stats.add(r.rid, d, a, explored)
             for _ in range(1 + a):
                 outputs.append(self._produce(r))
                 if r.rid not in self.scripts:
@@ -159,7 +159,7 @@ class SimExecutor:
         num_blocks: int,
         burst_wait_s: float = 0.0,
         disk: DiskModel | None = None,
-        spec: Callable[[str], list[tuple[int, int]]] = lambda rid: [],
+        spec: Callable[[str], list[tuple[int, int, bool]]] = lambda rid: [],
         draft_tokens: int = 0,
         step_target_s: float = 0.0,
         step_costs: Costs | None = None,
@@ -288,7 +288,7 @@ class SimExecutor:
             shape.chunks,
             shape.decode_ctx,
             shape.prefill_ctx,
-            sum(d for d, _ in drafts.values()),
+            sum(d for d, *_ in drafts.values()),
         )
         self.core.planned([r.rid for r in plan.completing()])
         self._flush()
@@ -299,13 +299,13 @@ class SimExecutor:
         plan: StepPlan,
         shape: StepShape,
         dt: float,
-        drafts: dict[str, tuple[int, int]],
+        drafts: dict[str, tuple[int, int, bool]],
         cap: int | None = None,
     ) -> None:
         result = self.runner.finish(plan, shape, dt, drafts)
         result.prefill_cap = cap
         if self.adaptive is not None:
-            rows = shape.decodes + sum(d for d, _ in drafts.values())
+            rows = shape.decodes + sum(d for d, *_ in drafts.values())
             if self.adaptive.observe(shape.prefill_tokens, rows, shape.decode_ctx, dt):
                 result.refit = self.adaptive.costs
         self.core.stepped(result, dt, 0.0)

@@ -107,7 +107,7 @@ class _Sequences:
         self.seq: dict[str, list[int]] = {}
         self.index: dict[str, int] = {}
         self.goal: dict[str, tuple[int, str]] = {}
-        self.verified: dict[str, list[tuple[int, int]]] = {}
+        self.verified: dict[str, list[tuple[int, int, bool]]] = {}
         for s in specs:
             full = s.prompt_tokens // block_size
             hashes = s.prompt_hashes[:full]
@@ -130,8 +130,9 @@ class _Sequences:
     def prompt(self, spec: RequestSpec) -> list[int]:
         return self.seq[spec.rid][: spec.prompt_tokens]
 
-    def spec(self, rid: str) -> list[tuple[int, int]]:
-        """The recorded speculation of ``rid``: (drafts, accepted) of each verifying step."""
+    def spec(self, rid: str) -> list[tuple[int, int, bool]]:
+        """The recorded speculation of ``rid``: (drafts, accepted, explored) of each verifying
+        step."""
         return self.verified.get(rid, [])
 
     def script(self, rid: str) -> Script:
@@ -189,7 +190,7 @@ def replay(
         cfg.burst_wait_ms / 1000.0,
         cfg.disk,
         seqs.spec,
-        max((d for s in specs for d, _ in s.spec), default=0),
+        max((d for s in specs for d, *_ in s.spec), default=0),
         cfg.step_target_s,
         cfg.step_costs,
     )

@@ -58,8 +58,9 @@ class RequestSpec:
     tags: tuple[str, ...] = ()
     # the disk tier: (first prompt block, blocks) its first admission loaded from disk
     disk_blocks: tuple[int, int] = (0, 0)
-    # speculative decoding: (drafts verified, drafts accepted) of each step that verified some
-    spec: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: (drafts verified, drafts accepted, whether it explored) of each step
+    # that verified some (gpu/spec/explore.py)
+    spec: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -196,11 +197,12 @@ def from_events(
         t0 -= min(r["sent_s"] for r in client_records.values())
     specs: list[RequestSpec] = []
     records: list[dict[str, Any]] = []
-    verified: dict[str, list[tuple[int, int]]] = defaultdict(list)  # speculation, per request
+    verified: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)  # per request
     for e in events:
         if e.get("event") == "executor.step":
+            explored = set(e.get("spec_explore", ()))
             for who, drafts, accepted in e.get("spec", []):
-                verified[who].append((int(drafts), int(accepted)))
+                verified[who].append((int(drafts), int(accepted), who in explored))
     skipped = 0
     for e in sorted(received, key=lambda e: e["ts"]):
         rid = e["request_id"]

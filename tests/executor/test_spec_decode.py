@@ -42,6 +42,7 @@ class Oracle:
         self.ref, self.n, self.wrong, self.vocab = ref, n, wrong, vocab
 
     accept = 0.9  # drafts kept often enough to run wherever a step has room for them
+    since = 0  # verified lately: never due to explore
 
     def settle(self, drafted: int, accepted: int) -> None:
         pass

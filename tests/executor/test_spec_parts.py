@@ -17,11 +17,12 @@ from gpu.model_runner import ModelRunner
 from gpu.publish import step_messages
 from gpu.request_table import RequestTable
 from gpu.requests import RequestState, StepResult, TokenOutput
-from gpu.spec import cost
+from gpu.spec import cost, explore
 from gpu.spec.config import SpecConfig, parse
+from gpu.spec.explore import Allowance
 from gpu.spec.ngram import NgramTokens, propose
 from gpu.spec.plan import plan_drafts
-from gpu.spec.verify import SpecStats, accepted
+from gpu.spec.verify import SpecStats, accepted, spec_fields
 from gpu.state import Flight
 from gpu.step.plan import StepBudget
 from messages.common import SamplingParams
@@ -386,3 +387,80 @@ def test_plan_drafts_as_far_as_the_step_cost_table_pays():
     half = req("c", copy)
     plan = plan_drafts([half, sure], 2, cfg, 100, cost.StepCost.flat(6), 16, 1000)
     assert {r: len(d) for r, d in plan.drafts.items()} == {"a": 4}
+
+
+# ------------------------------------------------------------------------------ exploration
+# a table timed while another process started: rows 2 to 5 priced 1.3 to 2 times one row
+SLOW_START = {1: 20.0, 2: 26.0, 3: 30.0, 4: 34.0, 5: 40.0, 8: 41.0, 16: 44.0, 32: 60.0}
+K4 = SpecConfig("ngram", 4, 4, 1)  # vLLM's documented example
+
+
+def _serve(reqs, steps, table, allowance, copy_len=None):
+    """``steps`` batch-1-style steps of ``reqs`` (all decodes): each verifies what the plan
+    gives it, every draft kept (the requests copy); the table learns each step's rows at the
+    true cost (rows 5 cost 1.2 times one). Returns the plans."""
+    plans = []
+    for _ in range(steps):
+        plan = plan_drafts(reqs, len(reqs), K4, 100, table, 16, 10_000, allowance)
+        for r in reqs:
+            d = plan.drafts.get(r.rid, [])
+            if d:
+                r.ngram.settle(len(d), len(d))
+        rows = len(reqs) + sum(len(d) for d in plan.drafts.values())
+        table.observe(rows, 20.0 * len(reqs) ** 0.5 * (1 + 0.05 * (rows - len(reqs))))
+        plans.append(plan)
+    return plans
+
+
+def test_the_planner_explores_what_its_estimates_rule_out_and_learns_it():
+    """A lone copying request under a table that overprices draft rows (timed while another
+    server started): at the prior acceptance (a third) no draft pays, so a planner that only
+    trusts its estimates never verifies one and never learns. Exploring, the fresh request
+    verifies its whole proposal at once, its acceptance and the band of rows it ran are
+    measured, and from then on it drafts on its own."""
+    copy = list(range(100, 140)) * 3
+    assert plan_drafts([req("a", copy)], 1, K4, 100, cost.StepCost(SLOW_START), 16, 10_000).off == (
+        "cost"
+    )  # without an allowance: the estimates alone
+    a = req("a", copy)
+    plans = _serve([a], 40, cost.StepCost(SLOW_START), Allowance())
+    assert plans[0].explored == ["a"] and plans[0].drafts == {"a": copy[:4]}
+    assert plans[0].explore_s > 0 and plans[0].why == {}
+    drafted = [p for p in plans if p.drafts and not p.explored]
+    assert len(drafted) >= 35, "after exploring once, drafting pays on its own"
+    assert a.ngram.accept > 0.8
+
+
+def test_exploration_costs_a_bounded_share_when_drafts_do_not_pay():
+    """Requests whose drafts are all rejected: each explores again once stale, and all the
+    explorations together take at most the allowance's share of the steps' priced time."""
+    table = cost.StepCost(SMOL)
+    reqs = [req(f"r{i}", list(range(100, 140)) * 3) for i in range(8)]
+    spent = priced = 0.0
+    explored = 0
+    allowance = Allowance()
+    for _ in range(400):
+        plan = plan_drafts(reqs, len(reqs), K4, 100, table, 16, 10_000, allowance)
+        for r in reqs:
+            if d := plan.drafts.get(r.rid):
+                r.ngram.settle(len(d), 0)
+        spent += plan.explore_s + plan.price_s
+        priced += table(len(reqs))
+        explored += len(plan.explored)
+        if plan.explored:
+            assert plan.why["cost"] == len(reqs) - len(plan.drafts)
+    assert explored >= 8  # every request measured at least once
+    assert spent <= (explore.SHARE + 0.01) * priced + explore.HOLD_STEPS * explore.SHARE * (
+        table(len(reqs))
+    )  # the share, plus what the allowance held at the start
+    assert all(r.ngram.accept < 0.15 for r in reqs)
+
+
+def test_step_event_says_why_and_what_explored():
+    plan = plan_drafts([req("a", list(range(30))), req("b", LOOP)], 2, CFG, 100, FREE, 16, 1000)
+    stats = SpecStats.of(plan)
+    stats.add("b", 4, 4, explored=True)
+    ev = spec_fields(stats)
+    assert ev["spec_why"] == {"no_match": 1} and ev["spec_explore"] == ["b"]
+    assert ev["spec_gain"] > 0 and ev["spec_price_ms"] == 0.0  # a flat table: rows are free
+    assert ev["spec_rate"] > 0 and "spec_turned_down" in ev

@@ -466,6 +466,35 @@ async def test_the_step_strip_shows_speculative_decodings_acceptance(smollm2, tm
         assert d["specAccepted"] == str(accepted)
         text = await _dom(browser, "return document.getElementById('last-step').textContent")
         assert f"of {drafted} drafts accepted so far" in text, text
+        # each request's own acceptance: the finished table's rows and the request's life
+        per: dict[str, list[int]] = {}
+        for e in steps:
+            for rid, d, a in e.get("spec", []):
+                per.setdefault(rid, [0, 0])
+                per[rid][0] += d
+                per[rid][1] += a
+
+        async def finished() -> dict | None:  # once both requests' completions are read
+            rows = await _dom(
+                browser,
+                "return [...document.querySelectorAll('#finished tbody tr[data-spec-drafted]')]"
+                ".map((t) => [t.dataset.rid, +t.dataset.specDrafted, +t.dataset.specAccepted])",
+            )
+            got = {rid: [d, a] for rid, d, a in rows}
+            return got if len(got) == len(per) else None
+
+        assert await wait_until(finished, timeout=20, interval=0.1) == per
+        rid, (d, a) = next(iter(per.items()))
+        await _dom(browser, f"document.querySelector('#finished tr[data-rid=\"{rid}\"]').click()")
+
+        async def fact() -> str | None:
+            return await _dom(
+                browser,
+                "const f = document.querySelector('[data-fact=\"drafts accepted\"]');"
+                "return f && f.textContent",
+            )
+
+        assert (await wait_until(fact, timeout=10, interval=0.1)).startswith(f"{a} of {d} (")
 
 
 async def test_the_step_strip_shows_the_resident_lora_adapters(tiny_model, tmp_path, browser):

@@ -48,7 +48,7 @@ def test_a_speculating_run_replays_with_its_acceptance(smollm2, tmp_path):
     with start_runtime(smollm2, tmp_path / "plain", *flags[:2]) as rt:  # no speculation
         trio.run(serve, rt)
     rec = workload.load(tmp_path / "run")
-    recorded_accepted = sum(a for s in rec.requests for _, a in s.spec)
+    recorded_accepted = sum(a for s in rec.requests for _, a, _ in s.spec)
     assert recorded_accepted > 20, "the recording accepted too few drafts to tell"
     model = stepmodel.fit(rec.steps)
     res = sim.replay(rec, model)

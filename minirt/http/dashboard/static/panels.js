@@ -64,12 +64,19 @@
     const html = live.slice(0, 100).map((r) => {
       const phase = r.state === "preempting" ? "preempting" : r.prefillDoneTs ? "decode" : "prefill";
       return `<tr data-rid="${esc(r.rid)}" data-client-id="${esc(r.clientId)}" data-state="running" data-phase="${phase}">${rep(r, showRep)}` +
-        `${ridCell(r)}<td class="phase ${phase}">${phase}</td>` +
+        `${ridCell(r)}<td class="phase ${phase}"${specData(r)}>${phase}${r.specDrafted ? ` <small>${specText(r)}</small>` : ""}</td>` +
         `<td class="num prompt">${r.prompt === null ? "" : r.prompt}</td>${cachedCell(r)}` +
         `<td class="num">${age(Math.max(0, now - (r.admittedTs || r.stateTs)))}</td><td class="num">${r.attempt}</td></tr>`;
     }).join("") + (live.length > 100 ? `<tr class="more"><td colspan="6">+ ${live.length - 100} more</td></tr>` : "");
     rows($("running").tBodies[0], html || `<tr class="none"><td colspan="6">nothing running</td></tr>`);
   };
+
+  // a request's speculation so far: accepted of verified drafts, and how many times it explored
+  const specText = (r) => r.specDrafted ? `${r.specAccepted} of ${r.specDrafted} (` +
+    `${Math.round(100 * r.specAccepted / r.specDrafted)}%)` +
+    (r.specExplored ? `, ${r.specExplored} explored` : "") : null;
+  const specData = (r) => r.specDrafted === undefined ? "" :
+    ` data-spec-drafted="${r.specDrafted}" data-spec-accepted="${r.specAccepted}"`;
 
   MR.renderFinished = function (m, showRep) {
     const out = [], cap = m.caps.finished_shown;
@@ -79,7 +86,7 @@
     }
     const html = out.map((r) => {
       const t = r.timings || {}, outcome = r.state === "finished" ? (r.finishReason || "finished") : r.state;
-      return `<tr data-rid="${esc(r.rid)}" data-client-id="${esc(r.clientId)}" data-state="${r.state}" class="${r.state}">${rep(r, showRep)}` +
+      return `<tr data-rid="${esc(r.rid)}" data-client-id="${esc(r.clientId)}" data-state="${r.state}" class="${r.state}"${specData(r)}>${rep(r, showRep)}` +
         `${ridCell(r)}<td class="outcome" title="${esc(r.error || "")}">${esc(outcome)}</td>` +
         `<td class="num prompt">${r.prompt === null ? "" : r.prompt}</td>${cachedCell(r)}` +
         `<td class="num">${r.outputTokens === null || isNaN(r.outputTokens) ? "" : r.outputTokens}</td>` +
@@ -111,7 +118,9 @@
       const now = s.specK === null ? "" : s.specOff ? `speculation off (${esc(s.specOff)})`
         : `${s.specAccepted} of ${s.specDrafted} drafts accepted (k ${s.specK})`;
       const rate = sp.drafted ? ` · ${(100 * sp.accepted / sp.drafted).toFixed(0)}% of ${sp.drafted} drafts accepted so far` : "";
-      el.innerHTML += ` · <span class="k spec">${now}${rate}</span>`;
+      const why = Object.entries(s.specWhy || {}).filter(([, n]) => n);  // the others: why not
+      const none = why.length && !s.specOff ? `; none for ${why.map(([k, n]) => `${n} (${esc(k)})`).join(", ")}` : "";
+      el.innerHTML += ` · <span class="k spec">${now}${none}${rate}</span>`;
     }
   };
 
@@ -152,7 +161,8 @@
     const t = r.timings || {};
     const facts = [["state", r.state + (r.finishReason ? " (" + r.finishReason + ")" : "")], ["prompt", r.prompt],
       ["cached (prefix hit)", r.cached], ["output", r.outputTokens], ["refusals", r.refusals],
-      ["preemptions", r.preemptions], ["queue", ms(t.queue_s)], ["ttft", ms(t.ttft_s)], ["e2e", ms(t.total_s)]]
+      ["preemptions", r.preemptions], ["drafts accepted", specText(r)], ["queue", ms(t.queue_s)],
+      ["ttft", ms(t.ttft_s)], ["e2e", ms(t.total_s)]]
       .filter(([, v]) => v !== null && v !== undefined && v !== "" && !(typeof v === "number" && isNaN(v)));
     const evs = r.events.map((e, i) => {
       const wait = MR.WAIT_EVENTS.has(e.event);

@@ -72,10 +72,17 @@
       stepS: Number(e.step_s) || 0, control: Number(e.control_s) || 0, replica: e.replica || "",
       specK: e.spec_k === undefined ? null : Number(e.spec_k),
       specDrafted: Number(e.spec_draft_tokens) || 0, specAccepted: Number(e.spec_accepted) || 0,
-      specOff: e.spec_off || "", loras: Number(e.loras) || 0 });
+      specOff: e.spec_off || "", specWhy: e.spec_why || null, loras: Number(e.loras) || 0 });
     if (e.spec_k !== undefined) {  // the executor speculates (--speculative-config)
       const s = this.spec || (this.spec = { drafted: 0, accepted: 0 });
       s.drafted += Number(e.spec_draft_tokens) || 0; s.accepted += Number(e.spec_accepted) || 0;
+      const explored = new Set(e.spec_explore || []);
+      for (const [rid, d, a] of e.spec || []) {  // each request's own acceptance
+        const q = this.req(rid, e);  // (the executor's log may be read before the front door's)
+        q.specDrafted = (q.specDrafted || 0) + (Number(d) || 0);
+        q.specAccepted = (q.specAccepted || 0) + (Number(a) || 0);
+        if (explored.has(rid)) q.specExplored = (q.specExplored || 0) + 1;
+      }
     }
   };
   // the executor's resident LoRA adapters (--enable-lora): loaded, evicted
