@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -42,11 +43,11 @@ from benchmarks.openai import free_port
 from minirt.bench.workloads import code_edit, load_tokenizer, render
 from minirt.eventlog.summary import results_dir
 
-SPEC = {
+SPEC = {  # vLLM's documented example
     "method": "ngram",
-    "num_speculative_tokens": 10,
+    "num_speculative_tokens": 4,
     "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2,
+    "prompt_lookup_min": 1,
 }
 FREE = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -171,6 +172,31 @@ def spec_counters(url: str) -> dict[str, float]:
     return out
 
 
+def machine() -> str:
+    """The CPU this ran on, as the reports name it (the machines differ between sessions)."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = info.get("flags", "").split()
+    has = [f for f in ("avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return (
+        f"{info.get('model name', '?')}, cpuid family {info.get('cpu family', '?')} model "
+        f"{info.get('model', '?')}, {len(os.sched_getaffinity(0))} vCPUs, {' '.join(has) or 'no AVX-512'}"
+    )
+
+
+def explorations(run: Path) -> int:
+    """How many times a request explored (``spec_explore``) in the server's steps so far."""
+    n = 0
+    log = run / "logs" / "executor.log"
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if '"spec_explore": ["' in line:
+                n += len(json.loads(line).get("spec_explore", ()))
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode", description=__doc__)
     p.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
@@ -215,10 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(b, w) for b in batches for w in kinds(b)]
     results: dict[str, Any] = {
         "model": str(model), "spec": json.loads(a.spec), "dtype": a.dtype,
-        "temperature": a.temperature, "runs": [],
+        "temperature": a.temperature, "runs": [], "machine": machine(),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
     with ExitStack() as stack:
-        urls = {}
+        urls, runs = {}, {}
         for name, extra in (("spec", ["--speculative-config", a.spec]), ("base", [])):
             port = free_port()
             run = work / f"run-{name}-{int(time.time())}"
@@ -228,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             urls[name] = f"http://127.0.0.1:{port}"
+            runs[name] = run
             wait_health(urls[name], rt.proc, 300, run / "logs" / "http.log")
         for url in urls.values():  # warm-up
             trio.run(run_batch, url, str(model), loads["free"][:2], 2, 16)
@@ -238,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 row: dict[str, Any] = {"round": rnd, "batch": b, "workload": w}
                 for name in order:
                     before = spec_counters(urls[name])
+                    explored = explorations(runs[name])
                     got = trio.run(
                         run_batch, urls[name], str(model), prompts, b, a.max_tokens,
                         EXTRA.get(w), a.temperature,
@@ -250,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                             after["num_accepted_tokens"] - before["num_accepted_tokens"]
                         )
                         row["drafted"] = after["num_draft_tokens"] - before["num_draft_tokens"]
+                        row["explored"] = explorations(runs[name]) - explored
                 row["ratio"] = row["spec"]["tok_s"] / row["base"]["tok_s"]
                 row["identical"] = row["spec"]["texts"] == row["base"]["texts"]
                 print(
@@ -261,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append(row)
     if a.vllm:
         results["vllm"] = vllm_batch1(model, loads, work, a.max_tokens, a.dtype, a.temperature)
+    results["ended"] = time.strftime("%H:%M UTC", time.gmtime())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for row in results["runs"]:
@@ -279,8 +310,6 @@ def vllm_batch1(
     dtype: str = "float32",
     temperature: float = 0.0,
 ) -> dict[str, Any]:
-    import os
-
     from benchmarks.openai_servers import ensure_venv, vllm_server
 
     py = ensure_venv(Path(".minirt/bench-openai/vllm").absolute())
@@ -291,7 +320,7 @@ def vllm_batch1(
         trio.run(run_batch, url, str(model), loads["free"][:2], 2, 16)
         for w in ("grounded", "free"):
             got = trio.run(
-                run_batch, url, str(model), loads[w][:4], 1, max_tokens, None, temperature
+                run_batch, url, str(model), loads[w][:8], 1, max_tokens, None, temperature
             )
             out[w] = {k: v for k, v in got.items() if k != "texts"}
             print(f"vllm b=1 {w}: {got['tok_s']:.1f} tok/s", file=sys.stderr)
@@ -315,8 +344,11 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
         " the median over the requests of a request's time from its first streamed token to its"
         " last over its tokens after the first (median of the rounds).",
         "",
-        "| batch | workload | with (tok/s) | without (tok/s) | ratio per round | median ratio | TPOT with / without (ms) | accepted / drafted | outputs identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"Machine: {r.get('machine', '?')}; {r.get('started', '?')} to {r.get('ended', '?')}, nothing"
+        " else running.",
+        "",
+        "| batch | workload | with (tok/s) | without (tok/s) | ratio per round | median ratio | TPOT with / without (ms) | accepted / drafted | explorations | outputs identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(x["batch"], x["workload"]) for x in r["runs"]})
     for b, w in keys:
@@ -330,12 +362,13 @@ def report(r: dict[str, Any], argv: list[str]) -> str:
             f"{', '.join(f'{q:.2f}' for q in ratios)} | {statistics.median(ratios):.2f} | "
             f"{_tpot(rows, 'spec')} / {_tpot(rows, 'base')} | "
             f"{acc:.0f} / {dr:.0f} ({acc / dr if dr else 0:.0%}) | "
-            f"{all(x['identical'] for x in rows)} |"
+            f"{sum(x.get('explored', 0) for x in rows)} | {all(x['identical'] for x in rows)} |"
         )
     if "vllm" in r:
         lines += [
             "",
-            "vLLM CPU 0.32.0 (no speculative decoding on CPU), batch 1, same prompts:",
+            f"vLLM CPU 0.32.0 (no speculative decoding on CPU), batch 1, the same prompts,"
+            f" {r.get('dtype', 'float32')}, {_sampling(r)}:",
             "",
         ]
         lines += [

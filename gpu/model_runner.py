@@ -43,7 +43,7 @@ from gpu.spec import cost as spec_cost
 from gpu.spec.explore import Allowance
 from gpu.spec.ngram import NgramTokens
 from gpu.spec.plan import SpecPlan, plan_drafts
-from gpu.spec.verify import SpecStats, accepted
+from gpu.spec.verify import accepted
 from gpu.step import batch as step_batch
 from gpu.step.budget import AdaptiveBudget
 from gpu.step.plan import StepBudget
@@ -343,7 +343,7 @@ class ModelRunner:
 
         outputs = step_batch.prefilled(chunks)  # the chunks' progress
         failed: list[tuple[str, str, str]] = []
-        stats = SpecStats.of(sp) if sp is not None else None
+        stats = sp.stats() if sp is not None else None
         emit = functools.partial(
             step_batch.emit, self.requests, self.structured, self.max_model_len
         )

@@ -20,7 +20,9 @@ core from one of the forward's two threads, so served rows cost up to twice what
 says (docs/spec-decode.md). So each step's forward time corrects the table where it ran
 (:meth:`StepCost.observe`, steps without prompt rows): per band of rows between two rungs a
 running ratio of what the steps took to what the table says, applied to the rows of that band;
-a band no step has run in yet takes the nearest band's.
+a band no step has run in yet takes the nearest band's. Explorations (``gpu/spec/explore.py``)
+run in the band of rows checked least recently (:meth:`StepCost.stalest`), so a band the
+planner would not choose is checked too.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class StepCost:
         # nearest band's that has one; None while no band has one: the table as timed)
         self.seen: list[float | None] = [None] * (len(self.rows) + 1)
         self.source: list[int | None] = [None] * len(self.seen)
+        # per band, the served step (counted by :meth:`observe`) that last ran in it; -1: none
+        self.checked = [-1] * len(self.seen)
+        self.observed = 0
 
     @classmethod
     def flat(cls, rows: int) -> StepCost:
@@ -81,6 +86,8 @@ class StepCost:
         if self.limit or rows < 1 or seconds <= 0:
             return
         band = bisect.bisect_left(self.rows, rows)
+        self.checked[band] = self.observed
+        self.observed += 1
         ratio = seconds / self.table(rows)
         old = self.seen[band]
         self.seen[band] = ratio if old is None else old + WEIGHT * (ratio - old)
@@ -88,6 +95,18 @@ class StepCost:
             for b in range(len(self.source)):
                 near = (*range(b, -1, -1), *range(b + 1, len(self.seen)))
                 self.source[b] = next(c for c in near if self.seen[c] is not None)
+
+    def stalest(self, lo: int, hi: int) -> int:
+        """The row count from ``lo`` to ``hi`` whose band a served step ran in least recently
+        (never first), the most rows of that band: where an exploration checks the table."""
+        best = hi
+        for rows in range(hi, lo - 1, -1):
+            if self.checked[self._band(rows)] < self.checked[self._band(best)]:
+                best = rows
+        return best
+
+    def _band(self, rows: int) -> int:
+        return bisect.bisect_left(self.rows, rows)
 
     def table(self, rows: int) -> float:
         """The start's table at ``rows``, uncorrected."""

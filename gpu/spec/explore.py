@@ -8,13 +8,18 @@ servers side by side) would keep pricing the rows it overcharges, since only ser
 correct a band (``StepCost.observe``) and no step runs in a band priced out.
 
 So a request is *due* when its acceptance is unknown (it never verified a draft) or stale
-(:data:`STALE_STEPS` of its decode steps since it last did): the planner verifies its whole
-proposal, stalest first, while the :class:`Allowance` lasts. That step is served: its time
-checks the table in the band of rows it ran, and the request's acceptance is measured.
+(:data:`STALE_STEPS` of its decode steps since it last did): the planner verifies its
+proposal, stalest request first, while the :class:`Allowance` lasts, cut to as many drafts as
+bring the step into the band of rows that served steps checked least recently
+(``StepCost.stalest``; the whole proposal while none is checked). That step is served: its time
+checks the table in that band, and the request's acceptance is measured. So every band a
+proposal can reach is checked in turn, whether or not the planner would choose it.
 
 What it costs when drafts do not pay is bounded by the allowance: a budget of forward time
 that each step fills with :data:`SHARE` of its own priced cost and each exploration spends by
-the priced cost of its draft rows, holding at most :data:`HOLD_STEPS` steps' worth. So
+the priced cost of its draft rows, holding at most :data:`HOLD_STEPS` steps' worth (so a burst
+of fresh requests does not explore all at once: past the first, a step's explorations add at
+most :data:`STEP_SHARE` of its priced time). So
 explorations take at most :data:`SHARE` of the forward time whatever the batch (at one request
 on SmolLM2, one in ~6 steps; at 32 requests, one request in ~4 steps, each request about once
 in 130 of its steps). When drafts pay, the planner drafts on its own and the request is no
@@ -28,6 +33,7 @@ import math
 SHARE = 0.04  # of forward time explorations may take when no draft pays
 STALE_STEPS = 16  # a request's decode steps without a verification before it is due again
 HOLD_STEPS = 64  # the allowance holds at most this many steps' share
+STEP_SHARE = 0.25  # past its first, a step's explorations add at most this share of its time
 
 
 class Allowance:

@@ -26,8 +26,9 @@ after the drafts before it (``gpu/structured/masks.py``), so its targets are the
 would emit without speculation.
 
 Estimates that say drafts do not pay are tested too (``gpu/spec/explore.py``): a request
-whose acceptance is unknown or stale verifies its whole proposal anyway, stalest first, while
-the exploration allowance lasts (at most a few percent of the forward time).
+whose acceptance is unknown or stale verifies its proposal anyway (as far as the band of rows
+checked least recently), stalest first, while the exploration allowance lasts (at most a few
+percent of the forward time).
 
 What the plan says of itself (the ``executor.step`` event's ``spec_*`` fields): ``off``, why no
 decode speculates this step: ``cost`` (no draft would raise the step's expected tokens per
@@ -46,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpu.spec.config import SpecConfig
-from gpu.spec.explore import Allowance, due
+from gpu.spec.explore import STEP_SHARE, Allowance, due
+from gpu.spec.verify import SpecStats
 
 # draft rows' price in times the table's (``gpu/spec/cost.py``, timed on forwards alone): at the
 # table's price large batches lost to their drafts (docs/benchmarks/spec-decode/README.md)
@@ -68,6 +70,24 @@ class SpecPlan:
     explore_s: float = 0.0  # and those the explorations add
     rate: float = 0.0  # the step's expected tokens per second as planned
     turned_down: tuple[float, float] | None = None  # the next draft's (tokens, seconds)
+
+    def stats(self) -> SpecStats:
+        """The step's counters, to be filled as its drafts are verified, with the plan's
+        reasons as ``executor.step`` fields (``spec_why`` ... ``spec_turned_down``)."""
+        down = self.turned_down
+        return SpecStats(
+            off=self.off,
+            reasons={
+                "spec_why": dict(self.why),
+                "spec_gain": round(self.gain, 3),
+                "spec_price_ms": round(self.price_s * 1e3, 3),
+                "spec_explore_ms": round(self.explore_s * 1e3, 3),
+                "spec_rate": round(self.rate, 2),
+                "spec_turned_down": None
+                if down is None
+                else [round(down[0], 3), round(down[1] * 1e3, 3)],
+            },
+        )
 
 
 def plan_drafts(
@@ -186,8 +206,9 @@ def _explore(
     left: int,
     allowance: Allowance,
 ) -> None:
-    """Give the due requests that verify nothing their whole proposal, stalest first, while
-    the step budget and the allowance last (``gpu/spec/explore.py``)."""
+    """Give the due requests that verify nothing their proposal, stalest first, while
+    the step budget and the allowance last, and past the first, while the explorations add at
+    most ``STEP_SHARE`` to the step's priced time (``gpu/spec/explore.py``)."""
 
     def since(p: tuple[RequestState, list[int], float]) -> int:
         return p[0].ngram.since if p[0].ngram is not None else 0  # (a proposal has one)
@@ -197,7 +218,11 @@ def _explore(
     for req, drafts, _ in sorted(due_now, key=since, reverse=True):
         if used + len(drafts) > left:
             continue
+        rows = price.rows + used  # as many drafts as reach the least recently checked band
+        drafts = drafts[: price.cost.stalest(rows + 1, rows + len(drafts)) - rows]
         extra = price.added(used + len(drafts)) - price.added(used)
+        if plan.explored and plan.explore_s + extra > STEP_SHARE * price.now:
+            break
         if not allowance.spend(extra):
             break
         plan.drafts[req.rid] = drafts

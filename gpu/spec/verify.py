@@ -20,10 +20,7 @@ of its logits in another batch shape, as already between batches).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gpu.spec.plan import SpecPlan
+from typing import Any
 
 
 def accepted(targets: list[int], drafts: list[int]) -> int:
@@ -42,7 +39,8 @@ class SpecStats:
     ``num_accepted_tokens`` (drafts accepted); ``k``: the most drafts one request verified;
     ``per_request``: ``[request_id, drafts, accepted]`` of each that speculated; ``explored``:
     those of them that explored; ``off``: why none did (``gpu/spec/plan.py``), else None;
-    ``plan``: the plan, whose reasons the event carries (None in a replay)."""
+    ``reasons``: the plan's account of itself, event fields (``SpecPlan.stats``; none in a
+    replay)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -51,11 +49,7 @@ class SpecStats:
     per_request: list[tuple[str, int, int]] = field(default_factory=list)
     off: str | None = None
     explored: list[str] = field(default_factory=list)
-    plan: SpecPlan | None = None
-
-    @classmethod
-    def of(cls, plan: SpecPlan) -> SpecStats:
-        return cls(off=plan.off, plan=plan)
+    reasons: dict[str, Any] = field(default_factory=dict)
 
     def add(self, request_id: str, drafts: int, accepted: int, explored: bool = False) -> None:
         self.num_drafts += 1
@@ -86,14 +80,4 @@ def spec_fields(stats: SpecStats | None) -> dict[str, Any]:
         "spec_explore": list(stats.explored),
         "spec_off": stats.off,
     }
-    if (p := stats.plan) is not None:
-        down = p.turned_down
-        out.update(
-            spec_why=dict(p.why),
-            spec_gain=round(p.gain, 3),
-            spec_price_ms=round(p.price_s * 1e3, 3),
-            spec_explore_ms=round(p.explore_s * 1e3, 3),
-            spec_rate=round(p.rate, 2),
-            spec_turned_down=None if down is None else [round(down[0], 3), round(down[1] * 1e3, 3)],
-        )
-    return out
+    return {**out, **stats.reasons}

@@ -447,6 +447,8 @@ def test_exploration_costs_a_bounded_share_when_drafts_do_not_pay():
         spent += plan.explore_s + plan.price_s
         priced += table(len(reqs))
         explored += len(plan.explored)
+        # a burst of fresh requests is not explored all at once
+        assert len(plan.explored) <= 1 or plan.explore_s <= explore.STEP_SHARE * table(len(reqs))
         if plan.explored:
             assert plan.why["cost"] == len(reqs) - len(plan.drafts)
     assert explored >= 8  # every request measured at least once
@@ -458,9 +460,29 @@ def test_exploration_costs_a_bounded_share_when_drafts_do_not_pay():
 
 def test_step_event_says_why_and_what_explored():
     plan = plan_drafts([req("a", list(range(30))), req("b", LOOP)], 2, CFG, 100, FREE, 16, 1000)
-    stats = SpecStats.of(plan)
+    stats = plan.stats()
     stats.add("b", 4, 4, explored=True)
     ev = spec_fields(stats)
     assert ev["spec_why"] == {"no_match": 1} and ev["spec_explore"] == ["b"]
     assert ev["spec_gain"] > 0 and ev["spec_price_ms"] == 0.0  # a flat table: rows are free
     assert ev["spec_rate"] > 0 and "spec_turned_down" in ev
+
+
+def test_explorations_check_every_band_a_proposal_reaches():
+    """A lone request whose drafts are all rejected: no draft ever pays, yet its explorations
+    run in each band of rows from 2 to 5 in turn, so the table is checked (and corrected) where
+    the planner would never go on its own."""
+    table = cost.StepCost(SLOW_START)
+    a = req("a", list(range(100, 140)) * 3)
+    allowance = Allowance()
+    lengths = []
+    for _ in range(200):
+        plan = plan_drafts([a], 1, K4, 100, table, 16, 10_000, allowance)
+        if d := plan.drafts.get("a"):
+            if plan.explored:
+                lengths.append(len(d))
+            a.ngram.settle(len(d), 0)
+        table.observe(1 + len(d or []), 21.0 + len(d or []))
+    assert lengths[0] == 4 and set(lengths) == {1, 2, 3, 4}
+    assert all(table.checked[table._band(r)] >= 0 for r in range(1, 6))
+    assert table(5) < 0.8 * SLOW_START[5]  # the start's overprice corrected where it was
