@@ -65,6 +65,10 @@ class StepCost:
         # per band, the served step (counted by :meth:`observe`) that last ran in it; -1: none
         self.checked = [-1] * len(self.seen)
         self.observed = 0
+        # per band, the most any rung below it costs as corrected: a band's price never falls
+        # under it (bands corrected by different ratios would otherwise price a row that
+        # crosses into a cheaper-ratio band below zero)
+        self.floor = [0.0] * len(self.seen)
 
     @classmethod
     def flat(cls, rows: int) -> StepCost:
@@ -74,8 +78,12 @@ class StepCost:
     def __call__(self, rows: int) -> float:
         if self.limit and rows > self.limit:
             return float("inf")
-        src = self.source[bisect.bisect_left(self.rows, rows)]
-        return self.table(rows) * (1.0 if src is None else (self.seen[src] or 1.0))
+        band = bisect.bisect_left(self.rows, rows)
+        return max(self.table(rows) * self._ratio(band), self.floor[band])
+
+    def _ratio(self, band: int) -> float:
+        src = self.source[band]
+        return 1.0 if src is None else (self.seen[src] or 1.0)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A served step of ``rows`` decode and draft rows (no prompt's: those have no logits
@@ -95,6 +103,11 @@ class StepCost:
             for b in range(len(self.source)):
                 near = (*range(b, -1, -1), *range(b + 1, len(self.seen)))
                 self.source[b] = next(c for c in near if self.seen[c] is not None)
+        top = 0.0  # rung i (rows[i]) is in band i
+        for i, secs in enumerate(self.secs):
+            self.floor[i] = top
+            top = max(top, secs * self._ratio(i))
+        self.floor[-1] = top
 
     def stalest(self, lo: int, hi: int) -> int:
         """The row count from ``lo`` to ``hi`` whose band a served step ran in least recently

@@ -23,7 +23,9 @@ most :data:`STEP_SHARE` of its priced time). So
 explorations take at most :data:`SHARE` of the forward time whatever the batch (at one request
 on SmolLM2, one in ~6 steps; at 32 requests, one request in ~4 steps, each request about once
 in 130 of its steps). When drafts pay, the planner drafts on its own and the request is no
-longer due.
+longer due. Where even a copying request's drafts would not pay (:data:`HOPE`, at the table's
+own price: a large batch, whose every row is arithmetic), nothing explores: there the share was
+lost for nothing (batch 32: 0.94x the server without speculation; docs/benchmarks/spec-decode).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ SHARE = 0.04  # of forward time explorations may take when no draft pays
 STALE_STEPS = 16  # a request's decode steps without a verification before it is due again
 HOLD_STEPS = 64  # the allowance holds at most this many steps' share
 STEP_SHARE = 0.25  # past its first, a step's explorations add at most this share of its time
+# explorations run only where the drafts of a request that copies its prompt (each kept with
+# this chance; grounded prompts keep 70-90%) would pay at the table's own price
+HOPE = 0.8
 
 
 class Allowance:

@@ -7,8 +7,9 @@ step emits at most ``k + 1`` tokens, never past ``max_tokens`` nor ``max_model_l
 step budget (draft rows count in it).
 
 How many of the proposed drafts run is priced on the step-cost table (``gpu/spec/cost.py``):
-a request's ``j``-th draft adds ``a ** j`` expected tokens, ``a`` its acceptance so far
-(``NgramTokens.accept``: drafts are kept in order, each only if those before it were), and the
+a request's ``j``-th draft adds ``a ** j`` expected tokens, ``a`` its acceptance so far for
+proposals found by a suffix of that length (``NgramTokens.accept``: drafts are kept in order,
+each only if those before it were), and the
 step keeps the ``D`` drafts of most expected tokens for the ``D`` that makes ``(decodes +
 expected drafts kept) / (cost(decodes) + DRAFT_PRICE * (cost(rows + D) - cost(rows)))``
 largest: drafts run only where they raise the decodes' expected tokens per second, their rows
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpu.spec.config import SpecConfig
-from gpu.spec.explore import STEP_SHARE, Allowance, due
+from gpu.spec.explore import HOPE, STEP_SHARE, Allowance, due
 from gpu.spec.verify import SpecStats
 
 # draft rows' price in times the table's (``gpu/spec/cost.py``, timed on forwards alone): at the
@@ -114,9 +115,11 @@ def plan_drafts(
     price = _Price(cost, base, rows)
     if allowance is not None:
         allowance.earn(price.now)
-    accepts = [r.ngram.accept for r in decodes if r.ngram is not None]
+    accepts = [r.ngram.best for r in decodes if r.ngram is not None]
     pays = price.may_pay(min(left, cfg.k * len(accepts)), max(accepts, default=0.0))
     stale = [r for r in decodes if r.ngram is not None and due(r.ngram.since)]
+    if stale and not price.hopeful(min(left, cfg.k)):
+        stale = []  # not even a copying request's drafts would pay: nothing to find out
     if not pays and (allowance is None or not stale):
         return _none(decodes, "cost")
     plan = SpecPlan(rate=price.bar)
@@ -246,16 +249,25 @@ class _Price:
         """The table's seconds that ``d`` draft rows add to the step."""
         return self.cost(self.rows + d) - self.now if d else 0.0
 
-    def rate(self, d: int, tokens: float) -> float:
+    def rate(self, d: int, tokens: float, scale: float = DRAFT_PRICE) -> float:
+        """Tokens per second with ``d`` draft rows, each priced ``scale`` times the table."""
         if not d:
             return tokens / self.decodes
-        return tokens / (self.decodes + DRAFT_PRICE * self.added(d))
+        return tokens / (self.decodes + scale * self.added(d))
 
-    def may_pay(self, most: int, accept: float) -> bool:
+    def hopeful(self, most: int) -> bool:
+        """Whether up to ``most`` drafts of a request that copies (each kept with chance
+        :data:`~gpu.spec.explore.HOPE`) would raise the rate at the table's own price."""
+        return any(
+            self.rate(d, self.base + sum(HOPE**j for j in range(1, d + 1)), 1.0) > self.bar
+            for d in range(1, most + 1)
+        )
+
+    def may_pay(self, most: int, accept: float, scale: float = DRAFT_PRICE) -> bool:
         """Whether some number of drafts, up to ``most``, each kept with chance ``accept`` at
-        best, could raise the rate; checked where the cost table bends (between those points
-        the rate moves one way), so a large batch is turned away before any proposal is looked
-        up."""
+        best, could raise the rate (their rows priced ``scale`` times the table); checked where
+        the cost table bends (between those points the rate moves one way), so a large batch is
+        turned away before any proposal is looked up."""
         bends = {r + e - self.rows for r in self.cost.rows for e in (0, 1)}  # band edges too
         ds = {1, most} | {d for d in bends if 1 <= d <= most}
-        return any(self.rate(d, self.base + d * accept) > self.bar for d in ds)
+        return any(self.rate(d, self.base + d * accept, scale) > self.bar for d in ds)

@@ -41,7 +41,7 @@ class Oracle:
     def __init__(self, ref: list[int], n: int, wrong: set[int] = frozenset(), vocab: int = 512):
         self.ref, self.n, self.wrong, self.vocab = ref, n, wrong, vocab
 
-    accept = 0.9  # drafts kept often enough to run wherever a step has room for them
+    accept = best = 0.9  # drafts kept often enough to run wherever a step has room for them
     since = 0  # verified lately: never due to explore
 
     def settle(self, drafted: int, accepted: int) -> None:

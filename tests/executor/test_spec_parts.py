@@ -345,10 +345,12 @@ def test_plan_drafts_as_far_as_the_step_cost_table_pays():
     cfg = SpecConfig("ngram", 9, 3, 1)
     copy = list(range(100, 120)) * 2  # the last tokens repeat 20 tokens back: 9 drafts found
     sure = req("a", copy)
+    sure.ngram.propose(9, 1, 3)  # its proposals match 3 tokens: the estimates below are theirs
     for _ in range(10):
         sure.ngram.settle(5, 5)
     assert len(plan_drafts([sure], 1, cfg, 100, smol, 16, 1000).drafts["a"]) == 9
     unsure = req("b", copy)
+    unsure.ngram.propose(9, 1, 3)
     for _ in range(10):
         unsure.ngram.settle(2, 0)
     # a second row costs 3%: one draft kept 5% of the time pays by a hair, a second never
@@ -377,6 +379,7 @@ def test_plan_drafts_as_far_as_the_step_cost_table_pays():
     assert len(plan_drafts([sure], 1 + 200, cfg, 1000, smol, 16, 1000).drafts["a"]) == 9
     so_so = [req(f"s{i}", copy) for i in range(16)]
     for r in so_so:
+        r.ngram.propose(9, 1, 3)
         for _ in range(4):  # 2 kept of 5 trials a round
             r.ngram.settle(5, 1)
             r.ngram.settle(5, 1)
@@ -486,3 +489,45 @@ def test_explorations_check_every_band_a_proposal_reaches():
     assert lengths[0] == 4 and set(lengths) == {1, 2, 3, 4}
     assert all(table.checked[table._band(r)] >= 0 for r in range(1, 6))
     assert table(5) < 0.8 * SLOW_START[5]  # the start's overprice corrected where it was
+
+
+def test_no_exploring_where_even_copying_would_not_pay():
+    """SmolLM2's table as a server timed it (float32, 2 Zen 4 cores): rows 33 and up read every
+    weight block twice, so at 32 decodes even a request keeping 80% of its drafts would not pay
+    for them, and nothing explores there (it cost that batch 6%); at 4 decodes they verify."""
+    served = cost.StepCost({1: 21.3, 2: 23.6, 3: 26.2, 4: 27.6, 5: 32.3, 16: 32.3, 20: 49.5,
+                            24: 52.5, 32: 53.7, 48: 98.5, 64: 104.8})  # fmt: skip
+    copy = list(range(100, 140)) * 3
+    many = [req(f"r{i}", copy) for i in range(32)]
+    plan = plan_drafts(many, 32, K4, 1000, served, 16, 10_000, Allowance())
+    assert not plan.drafts and plan.why == {"cost": 32}
+    few = [req(f"r{i}", copy) for i in range(4)]
+    assert plan_drafts(few, 4, K4, 1000, served, 16, 10_000, Allowance()).drafts
+
+
+def test_acceptance_is_kept_per_suffix_length():
+    """A reply that copies its prompt (drafts found by 4 matching tokens, all kept) and also
+    meets chance single-token matches (none kept): the chance matches do not turn its copies
+    off, as one estimate for both did."""
+    t = NgramTokens(list(range(100, 140)) * 2 + [7, 8, 9, 7])  # ends on a 1-token match
+    assert t.propose(4, 1, 4) == [8, 9, 7] and t.matched == 1
+    for _ in range(6):
+        t.settle(3, 0)
+    assert t.accept < 0.1
+    t.extend(list(range(100, 104)))  # now its last 4 tokens occurred before
+    assert t.propose(4, 1, 4) == [104, 105, 106, 107] and t.matched == 4
+    assert t.accept == pytest.approx(1 / 3)  # a fresh estimate for 4-token matches
+    for _ in range(6):
+        t.settle(4, 4)
+    assert t.accept > 0.8 and t.best == t.accept
+
+
+def test_corrected_prices_never_fall_with_more_rows():
+    """Served steps at 32 rows ran 1.6 times the table, steps of 36 only 1.1 times: the draft
+    rows that cross into the second band are still priced at least nothing, never below."""
+    c = cost.StepCost({16: 40.0, 32: 65.0, 48: 113.0})
+    c.observe(32, 1.6 * 65.0)
+    c.observe(36, 1.1 * c.table(36))
+    prices = [c(r) for r in range(1, 70)]
+    assert prices == sorted(prices)
+    assert c(36) >= c(32) == pytest.approx(104.0)
