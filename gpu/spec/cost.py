@@ -78,7 +78,7 @@ class StepCost:
     def __call__(self, rows: int) -> float:
         if self.limit and rows > self.limit:
             return float("inf")
-        band = bisect.bisect_left(self.rows, rows)
+        band = self._band(rows)
         return max(self.table(rows) * self._ratio(band), self.floor[band])
 
     def _ratio(self, band: int) -> float:
@@ -93,7 +93,7 @@ class StepCost:
         wake the same other processes."""
         if self.limit or rows < 1 or seconds <= 0:
             return
-        band = bisect.bisect_left(self.rows, rows)
+        band = self._band(rows)
         self.checked[band] = self.observed
         self.observed += 1
         ratio = seconds / self.table(rows)

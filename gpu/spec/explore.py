@@ -21,8 +21,7 @@ the priced cost of its draft rows, holding at most :data:`HOLD_STEPS` steps' wor
 of fresh requests does not explore all at once: past the first, a step's explorations add at
 most :data:`STEP_SHARE` of its priced time). So
 explorations take at most :data:`SHARE` of the forward time whatever the batch (at one request
-on SmolLM2, one in ~6 steps; at 32 requests, one request in ~4 steps, each request about once
-in 130 of its steps). When drafts pay, the planner drafts on its own and the request is no
+on SmolLM2, one in ~6 steps at most; a request explores again only once stale). When drafts pay, the planner drafts on its own and the request is no
 longer due. Where even a copying request's drafts would not pay (:data:`HOPE`, at the table's
 own price: a large batch, whose every row is arithmetic), nothing explores: there the share was
 lost for nothing (batch 32: 0.94x the server without speculation; docs/benchmarks/spec-decode).

@@ -398,7 +398,7 @@ SLOW_START = {1: 20.0, 2: 26.0, 3: 30.0, 4: 34.0, 5: 40.0, 8: 41.0, 16: 44.0, 32
 K4 = SpecConfig("ngram", 4, 4, 1)  # vLLM's documented example
 
 
-def _serve(reqs, steps, table, allowance, copy_len=None):
+def _serve(reqs, steps, table, allowance):
     """``steps`` batch-1-style steps of ``reqs`` (all decodes): each verifies what the plan
     gives it, every draft kept (the requests copy); the table learns each step's rows at the
     true cost (rows 5 cost 1.2 times one). Returns the plans."""
