@@ -10,9 +10,23 @@ from pathlib import Path
 import torch
 
 
+def _probe(executor):
+    """The native model's first gate/up linear (a sparse layer's first expert's); the
+    transformers path's widest packed linear short of its head (gpu/model/generic.py); None
+    where it packs none."""
+    model = executor.model
+    if hasattr(model, "layers"):
+        first = model.layers[0]
+        return first.gate_up if first.experts is None else first.experts.gate_up[0]
+    body = [x for x in model.linears if x.out_features != model.spec.vocab_size]
+    return max(body, key=lambda x: x.in_features * x.out_features, default=None)
+
+
 def gemm_path(executor) -> str:
     """The linears' kernel, as reports name it, e.g. ``oneDNN packed bfloat16``."""
-    lin = executor.model.layers[0].gate_up
+    lin = _probe(executor)
+    if lin is None:
+        return f"F.linear {str(executor.dtype).removeprefix('torch.')}"
     dt = str(lin.dtype).removeprefix("torch.")
     return f"oneDNN packed {dt}" if lin.packed is not None else f"F.linear {dt}"
 
@@ -20,7 +34,9 @@ def gemm_path(executor) -> str:
 def gemm_rate(executor, rows: int = 256, reps: int = 50) -> float:
     """Best FLOP/s over ``reps`` calls of one of the executor's own linears (gate/up, the
     largest per layer) at ``rows`` input rows: the kernel and packing the forward uses."""
-    lin = executor.model.layers[0].gate_up
+    lin = _probe(executor)
+    if lin is None:  # transformers' own nn.Linear modules: not timed here
+        return float("nan")
     best = linear_seconds(lin, rows, reps, executor.device)
     return 2 * rows * lin.in_features * lin.out_features / best
 

@@ -58,6 +58,19 @@ def _args(argv: list[str]) -> argparse.Namespace:
         help="also run the prompts through a second executor in this dtype, --rounds times "
         "alternating with ours in this process, and report the median of the paired ratios",
     )
+    p.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=("auto", "native", "transformers"),
+        help="our executor's model code (minirt up's flag)",
+    )
+    p.add_argument(
+        "--against-impl",
+        default=None,
+        choices=("native", "transformers"),
+        help="like --against, with a second executor in our dtype running this --model-impl "
+        "(gpu/model/generic.py: transformers' own modeling code)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="with --against: paired rounds")
     p.add_argument(
         "--sampling-cost",
@@ -298,9 +311,10 @@ def main(argv: list[str]) -> int:
     prompts = workload(a.requests, a.min_prompt, a.max_prompt, spec.vocab_size, a.seed)
     blocks = sum(-(-(len(p) + a.new_tokens) // 16) for p in prompts) + 64
 
-    def warmed(dtype: str) -> ModelRunner:
+    def warmed(dtype: str, impl: str = "auto") -> ModelRunner:
         ex = ModelRunner(
             model_dir,
+            model_impl=impl,
             dtype=dtype,
             device=a.device,
             num_blocks=blocks,
@@ -312,7 +326,7 @@ def main(argv: list[str]) -> int:
         run_ours(ex, workload(4, 16, 64, spec.vocab_size, 99), 4)  # warm-up
         return ex
 
-    ex = warmed(a.dtype)
+    ex = warmed(a.dtype, a.model_impl)
     rate_before = compute.gemm_rate(ex)
     prof = None
     if a.profile is not None:
@@ -372,20 +386,22 @@ def main(argv: list[str]) -> int:
             f"{100 * cost['median_sampler_share']:.1f}%, sampled/greedy wall "
             f"{cost['median_sampled_over_greedy']:.3f}x over {a.sampling_cost} rounds"
         )
-    if a.against:
-        other = warmed(a.against)
+    if a.against or a.against_impl:
+        name = a.against or f"--model-impl {a.against_impl}"
+        other = warmed(a.against or a.dtype, a.against_impl or "auto")
         res["against"] = {
-            "dtype": a.against,
+            "dtype": a.against or a.dtype,
+            "model_impl": a.against_impl or "auto",
             **paired_rounds(ex, other, prompts, a.new_tokens, a.rounds),
         }
         del other
         for k, r in enumerate(res["against"]["rounds"], 1):
             print(
-                f"vs {a.against}: round {k}: {r['tok_s']:.1f} vs {r['against_tok_s']:.1f} tok/s "
+                f"vs {name}: round {k}: {r['tok_s']:.1f} vs {r['against_tok_s']:.1f} tok/s "
                 f"= {r['ratio']:.2f}x"
             )
         print(
-            f"vs {a.against}: median of {a.rounds} paired rounds {res['against']['median_ratio']:.2f}x"
+            f"vs {name}: median of {a.rounds} paired rounds {res['against']['median_ratio']:.2f}x"
         )
     # best of before and after our run: a shared machine makes any single reading low
     rate = max(rate_before, compute.gemm_rate(ex))

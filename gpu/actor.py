@@ -82,6 +82,8 @@ class ExecutorActor(Actor):
         self.log.info(
             "executor.config",
             model=cfg.model,
+            arch=self.ex.spec.arch,
+            model_impl=self.ex.spec.impl,  # the path --model-impl chose (gpu/model/loader.py)
             device=str(self.ex.device),
             dtype=str(self.ex.dtype),
             dtype_reason=self.ex.dtype_reason,

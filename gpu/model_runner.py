@@ -25,6 +25,7 @@ from gpu.logits_processors import LogitsProcessors
 from gpu.lora.slots import LoraSlots
 from gpu.model import cpu_tuning, loader
 from gpu.model.attention import build_metadata
+from gpu.model.generic import TransformersModel
 from gpu.model.kv_cache import PagedKVCache, loaded_pool
 from gpu.model.llama import LlamaFamilyModel
 from gpu.model.memory import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -68,7 +69,9 @@ class ModelRunner:
     (``gpu/spec/config.py``; its text, dict or parsed form; empty or None: off); with it,
     draft rows are priced on forward times measured at start (``gpu/spec/cost.py``), or
     ``spec_rows``: any step of up to that many rows drafts, none of more.
-    Raises UnsupportedModelError (a ValueError) for a non-Llama-family model.
+    ``model_impl``: ``--model-impl`` (gpu.model.loader.load_spec), the native Llama-family
+    path or transformers' own modeling code (gpu.model.generic).
+    Raises UnsupportedModelError (a ValueError) for a model neither path serves.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class ModelRunner:
         bind_threads: bool = False,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        model_impl: str = "auto",
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -122,16 +126,25 @@ class ModelRunner:
         if bind_threads and self.device.type == "cpu":
             self.cpus_before_bind, self.bound_cpus = cpu_tuning.bind_threads()
         self.dtype, self.dtype_reason = loader.choose_dtype(dtype, self.device, model_dir)
-        self.spec = spec = loader.load_spec(model_dir)
+        self.spec = spec = loader.load_spec(model_dir, model_impl)
         self.model_dir = Path(model_dir)
         # the KV cache and the weights as loaded: the attention's (loader.attention_dtype)
         self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
-        # read on the host and handed over whole: the model fuses each layer's tensors there and
-        # moves the fused ones to the device once (no second copy on the card)
-        weights = loader.load_weights(
-            model_dir, self.kv_dtype, loader.HOST, spec.tie_word_embeddings
-        )
-        self.model = LlamaFamilyModel(spec, weights, self.device, self.dtype)
+        self.model: LlamaFamilyModel | TransformersModel
+        if spec.impl == "transformers":
+            if max_loras > 0:
+                raise ValueError("--enable-lora is served on the native model path only")
+            # transformers' own code, in one dtype throughout (the KV cache's)
+            self.model = TransformersModel(spec, model_dir, self.kv_dtype, self.device)
+        else:
+            # read on the host and handed over whole: the model fuses each layer's tensors
+            # there and moves the fused ones to the device once (no second copy on the card)
+            weights = loader.load_weights(
+                model_dir, self.kv_dtype, loader.HOST, spec.tie_word_embeddings
+            )
+            if max_loras > 0 and spec.experts:
+                raise ValueError("--enable-lora is not supported with mixture-of-experts models")
+            self.model = LlamaFamilyModel(spec, weights, self.device, self.dtype)
         self.model.warm_up()
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)

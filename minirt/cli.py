@@ -27,9 +27,15 @@ def command(name: str, setup: Callable[[argparse.ArgumentParser], None], help: s
 
 
 def _make_model_args(p: argparse.ArgumentParser) -> None:
+    from gpu.model.families import FAMILIES
     from gpu.model.make_model import ARCHS, SIZES
 
-    p.add_argument("--arch", choices=ARCHS, default="qwen2")
+    p.add_argument(
+        "--arch",
+        choices=[*ARCHS, *FAMILIES],
+        default="qwen2",
+        help="a native family, or (tiny only) one served by the transformers path",
+    )
     p.add_argument("--size", choices=SIZES, default="tiny")
     p.add_argument("--out", required=True, help="directory to write the model into")
     p.add_argument("--seed", type=int, default=0)
@@ -186,7 +192,7 @@ def _up(args: argparse.Namespace) -> int:
     print(
         f"minirt: model {cfg.http.served_model_name} ({cfg.model}), run dir {cfg.run_dir}, "
         f"KV pool {cfg.kv.num_blocks} blocks = {tokens:,} tokens, max_model_len "
-        f"{cfg.max_model_len:,}\nminirt: dtype {served_dtype(cfg)}",
+        f"{cfg.max_model_len:,}\nminirt: dtype {served_dtype(cfg)}\nminirt: {model_path(cfg)}",
         file=sys.stderr,
         flush=True,
     )
@@ -194,6 +200,17 @@ def _up(args: argparse.Namespace) -> int:
         print("minirt up: interrupted during start-up", file=sys.stderr)
         return 130
     return 0
+
+
+def model_path(cfg: Any) -> str:
+    """Which code runs the model (``--model-impl``: gpu.model.loader.load_spec) and why."""
+    from gpu.model import loader
+
+    spec = loader.load_spec(cfg.model, cfg.executor.model_impl)
+    if spec.impl == "native":
+        return f"model code native ({spec.arch})"
+    why = "as asked" if cfg.executor.model_impl == "transformers" else "no native path for it"
+    return f"model code transformers' ({spec.arch}: {why}; docs/models.md)"
 
 
 def served_dtype(cfg: Any) -> str:

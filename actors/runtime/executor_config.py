@@ -57,6 +57,15 @@ class ExecutorConfig:
             choices=("auto", "float32", "bfloat16", "float16"),
         ),
     )
+    model_impl: str = field(
+        default="auto",
+        metadata=doc(
+            "the model's code, as vLLM's flag: auto (native for Llama, Qwen2, Qwen3 and "
+            "Mistral, else transformers'), native, or transformers (the model's own modeling "
+            "code with minirt's paged attention; docs/models.md)",
+            choices=("auto", "native", "transformers"),
+        ),
+    )
     device: str | None = field(default=None, metadata=doc("torch device (cpu, cuda, cuda:1...)"))
     gpu_memory_utilization: float = field(
         default=0.9,

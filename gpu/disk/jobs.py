@@ -29,7 +29,8 @@ def open_store(cfg: RuntimeConfig, ex: ModelRunner) -> DiskStore:
     live instance holds it)."""
     s = ex.spec
     layout = (s.num_layers, s.num_kv_heads, s.head_dim)
-    computed_by = f"compute={ex.dtype}|device={ex.device.type}"
+    # the model's code too: transformers' modules round otherwise than the native path
+    computed_by = f"compute={ex.dtype}|device={ex.device.type}|impl={s.impl}"
     fp = fingerprint(ex.model_dir, str(ex.kv_dtype), ex.block_size, layout, computed_by)
     return DiskStore.open(cfg.kv.disk_dir, fp)
 

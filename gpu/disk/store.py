@@ -55,8 +55,8 @@ def fingerprint(
     model_dir: Path, kv_dtype: str, block_size: int, layout: Iterable[int], computed_by: str
 ) -> str:
     """128-bit hex digest of what a block's KV depends on besides its tokens; ``computed_by``
-    names what computes it beyond the weights (``gpu/disk/jobs.py``: the compute dtype and the
-    device kind), since the same weights in another dtype write other values."""
+    names what computes it beyond the weights (``gpu/disk/jobs.py``: the compute dtype, the
+    device kind and the model path, ``--model-impl``), since the same weights in another dtype write other values."""
     h = xxhash.xxh3_128()
     for f in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
         h.update(str(f.relative_to(model_dir)).encode() + b"\0")

@@ -17,7 +17,7 @@ and uses a causal mask offset by its start (query heads share K/V heads through 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ class AttentionMetadata:
     kernel_tables: torch.Tensor | None = None  # [kernel rows, max_blocks] int64 block ids
     kernel_lens: torch.Tensor | None = None  # [kernel rows] int64 context lengths
     prefill_kernel: bool = False  # the prefill rows are kernel rows too
+    # (first row, first position, rows, block table) per decode and per chunk, in row order:
+    # what attention with per-layer masks reads (gpu.model.generic)
+    segments: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
 
 
 # Cost model for grouping decodes, in gathered blocks: a group costs its rows times its padded
@@ -209,8 +212,13 @@ def build_metadata(
             chunks.append(PrefillChunk(row, length, start, rows(ctx_slots), mask.to(device)))
         row += length
     slot_mapping = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long)
+    segments = [(i, p, 1, t) for i, (t, p) in enumerate(decodes)]
+    row = len(decodes)
+    for ptable, start, length in prefills:
+        segments.append((row, start, length, ptable))
+        row += length
     return AttentionMetadata(
-        slot_mapping, len(decodes), groups, chunks, tables, lens, prefill_kernel
+        slot_mapping, len(decodes), groups, chunks, tables, lens, prefill_kernel, segments
     )
 
 

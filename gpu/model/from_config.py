@@ -36,4 +36,5 @@ def executor_from_config(cfg: RuntimeConfig) -> ModelRunner:
         bind_threads=x.bind_threads,
         max_loras=cfg.lora.max_loras if cfg.lora.enable_lora else 0,
         max_lora_rank=cfg.lora.max_lora_rank,
+        model_impl=x.model_impl,
     )

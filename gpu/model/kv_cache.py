@@ -226,7 +226,7 @@ def resolve_num_blocks(cfg: RuntimeConfig) -> int:
     device = loader.resolve_device(cfg.executor.device)
     served = loader.resolve_dtype(cfg.executor.dtype, device, cfg.model)
     dtype = loader.attention_dtype(served, device)
-    spec = loader.load_spec(cfg.model)
+    spec = loader.load_spec(cfg.model, cfg.executor.model_impl)
     most = cfg.scheduler.max_batch_size * spec.max_model_len
     ex = cfg.executor
     return pool_blocks(
@@ -248,7 +248,7 @@ def resolve_max_model_len(cfg: RuntimeConfig) -> int:
     request longer than the whole pool could never run, in any ``--kv-mode``."""
     from gpu.model import loader
 
-    model_len = loader.load_spec(cfg.model).max_model_len
+    model_len = loader.load_spec(cfg.model, cfg.executor.model_impl).max_model_len
     pool = int(cfg.kv.num_blocks or resolve_num_blocks(cfg)) * cfg.kv.block_size
     if cfg.max_model_len is None:
         return min(model_len, pool)

@@ -1,8 +1,9 @@
-"""Lean Llama-family forward (Llama, Qwen2, Qwen3, Mistral) over a flat, unpadded token batch.
+"""Lean Llama-family forward (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral) over a flat, unpadded batch.
 
 Mirrors transformers' modeling code operation by operation (RMSNorm in float32, RoPE with
-``rotate_half``, SiLU-gated MLP) so greedy outputs match it token for token, but fuses Q/K/V and
-gate/up into one matmul each and computes the LM head only for the rows that sample.
+``rotate_half``, SiLU-gated MLP or routed experts, gpu.model.experts) so greedy outputs match
+it token for token, but fuses Q/K/V and gate/up into one matmul each and computes the LM head
+only for the rows that sample.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from gpu.model import cpu_ops, paged_kernel
 from gpu.model.attention import AttentionMetadata, paged_attention
+from gpu.model.experts import Experts
 from gpu.model.kv_cache import PagedKVCache
 from gpu.model.linear import TILE_ROWS, Linear, mkl_gemv_fast, packing_enabled
 from gpu.model.loader import ModelSpec
@@ -93,6 +95,7 @@ class _Layer:
         plain: bool,
         mlp_dt: torch.dtype,
         norm_dt: torch.dtype,
+        moe: ModelSpec | None = None,
     ) -> None:
         def pack(dt: torch.dtype) -> bool:
             return packing_enabled(device, dt)
@@ -116,12 +119,23 @@ class _Layer:
         self.o = Linear(o, o_b, pack(o.dtype), plain)
         self.q_norm = take(a + "q_norm.weight") if a + "q_norm.weight" in w else None
         self.k_norm = take(a + "k_norm.weight") if a + "k_norm.weight" in w else None
+        self.experts: Experts | None = None
+        if moe is not None:  # a sparse layer: router and experts instead of one MLP
+            self.experts = Experts(
+                w, p, moe.experts, moe.experts_per_token, moe.norm_topk_prob, device, mlp_dt,
+                pack(mlp_dt), silu_mul,
+            )  # fmt: skip
+            return
         m = p + "mlp."
         if any(m + n + "_proj.bias" in w for n in ("gate", "up", "down")):
             raise ValueError("MLP biases are not supported")
         gate_up = fused([m + "gate_proj.weight", m + "up_proj.weight"], mlp_dt)
         self.gate_up = Linear(gate_up, None, pack(mlp_dt), plain)
         self.down = Linear(take(m + "down_proj.weight", mlp_dt), None, pack(mlp_dt), plain)
+
+    def linears(self) -> list[Linear]:
+        mlp = self.experts.linears() if self.experts is not None else [self.gate_up, self.down]
+        return [self.qkv, self.o, *mlp]
 
 
 class LlamaFamilyModel:
@@ -170,9 +184,12 @@ class LlamaFamilyModel:
         )
         plain = layer_bytes <= PLAIN_COPY_BUDGET and mkl_gemv_fast()
         self.layers = [
-            _Layer(weights, f"model.layers.{i}.", device, plain, dtype, norm_dt)
+            _Layer(
+                weights, f"model.layers.{i}.", device, plain, dtype, norm_dt,
+                spec if i in spec.moe_layers else None,
+            )
             for i in range(spec.num_layers)
-        ]
+        ]  # fmt: skip
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
@@ -238,9 +255,7 @@ class LlamaFamilyModel:
         if self.embed.device.type == "cpu":
             paged_kernel.kernel()
         seen = set()
-        for lin in [self.lm_head] + [
-            x for ly in self.layers for x in (ly.qkv, ly.o, ly.gate_up, ly.down)
-        ]:
+        for lin in [self.lm_head] + [x for ly in self.layers for x in ly.linears()]:
             key = (lin.in_features, lin.out_features, lin.bias is not None)
             if key not in seen:
                 seen.add(key)
@@ -320,6 +335,9 @@ class LlamaFamilyModel:
                 xs = x[r : r + tile]  # a view: the adds below write into x
                 if lora is None:
                     xs += ly.o(attn[r : r + tile])
+                    if ly.experts is not None:
+                        xs += ly.experts(rms_norm(xs, ly.ln_post, eps).to(lo))
+                        continue
                     xs += ly.down(silu_mul(ly.gate_up(rms_norm(xs, ly.ln_post, eps).to(lo))))
                     continue
                 rows = slice(r, r + tile)

@@ -1,7 +1,9 @@
 """Load a Hugging Face-layout decoder-only model directory: config, weights, tokenizer.
 
-Only the Llama family is supported (Llama, Qwen2, Qwen3, Mistral). transformers is used for the
-config (defaults, RoPE parameters) and the tokenizer; the weights are read with safetensors.
+Two model paths (``--model-impl``, vLLM's flag): the native one for the Llama family (Llama,
+Qwen2, Qwen3, Qwen3-MoE, Mistral; weights read with safetensors, gpu.model.llama), and transformers' own
+modeling code for any other decoder-only causal LM whose attention goes through transformers'
+attention interface (gpu.model.generic). transformers reads the config and the tokenizer.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
 }
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
+MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,6 +48,13 @@ class ModelSpec:
     tie_word_embeddings: bool
     qk_norm: bool
     hf_config: Any
+    impl: str = "native"  # the model path: "native" (gpu.model.llama) or "transformers"
+    # mixture of experts (Qwen3-MoE on the native path; 0 / empty: dense)
+    experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    expert_size: int = 0  # each expert's MLP width
+    moe_layers: tuple[int, ...] = ()
 
 
 # Where weights are read to: the host, whatever the executor's device (gpu.model.llama moves them).
@@ -181,7 +193,7 @@ def _refusal(cfg: Any, model_type: str) -> str | None:
             f"rope_parameters.partial_rotary_factor {partial} is not supported with rope_type "
             f"{rope_type!r} (rotary embeddings over the whole head only)"
         )
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in QWEN:
         for kind in getattr(cfg, "layer_types", None) or []:
             if kind not in ("full_attention", "sliding_attention"):
                 return f"layer_types entry {kind!r} is not supported"
@@ -210,7 +222,7 @@ def _length_caps(cfg: Any, model_type: str) -> dict[str, int]:
             rp["original_max_position_embeddings"]
         )
     window = getattr(cfg, "sliding_window", None)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in QWEN:
         # transformers' Qwen2/Qwen3 configs already set sliding_window to None without
         # use_sliding_window; the window applies to the "sliding_attention" layers only
         if window is not None and "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
@@ -220,41 +232,48 @@ def _length_caps(cfg: Any, model_type: str) -> dict[str, int]:
     return caps
 
 
-def load_spec(model_dir: str | Path) -> ModelSpec:
-    """Read ``config.json``; raise UnsupportedModelError (a ValueError) naming the architecture
-    if it is not Llama-family, or naming the config field if it sets something this runtime does
-    not compute as transformers does (activation, MLP bias, RoPE type, partial rotary, nested
-    per-layer RoPE, quantization, logit soft-capping).
+def load_spec(model_dir: str | Path, model_impl: str = "auto") -> ModelSpec:
+    """Read ``config.json`` into the spec of the path that serves it (``model_impl``: auto, the
+    native path for the Llama family and transformers' code for any other causal LM; native;
+    transformers). Raises UnsupportedModelError (a ValueError) naming the architecture if no
+    path serves it, or naming the config field if it sets something the native path does not
+    compute as transformers does (activation, MLP bias, RoPE type, partial rotary, nested
+    per-layer RoPE, quantization, logit soft-capping); gpu.model.generic_spec names the
+    transformers path's refusals.
 
-    ``max_model_len`` is ``max_position_embeddings`` capped where the maths is exact only below
-    a length (see :func:`_length_caps`: longrope's original length, a sliding window); a cap is
-    logged as a warning. docs/models.md lists what loads."""
+    ``max_model_len`` is ``max_position_embeddings``, on the native path capped where its maths
+    is exact only below a length (see :func:`_length_caps`: longrope's original length, a
+    sliding window); a cap is logged as a warning. docs/models.md lists what loads."""
     import logging
 
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {list(MODEL_IMPLS)}, got {model_impl!r}")
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
+    if model_impl == "transformers" or (model_impl == "auto" and model_type not in SUPPORTED):
+        from gpu.model import generic_spec
+
+        cfg = _read_config(model_dir)
+        why = generic_spec.refusal(cfg, raw)
+        if why is not None:
+            raise UnsupportedModelError(f"{model_dir.name}: {why}")
+        return ModelSpec(**generic_spec.fields(cfg, raw), hf_config=cfg, impl="transformers")
     if model_type not in SUPPORTED:
         name = archs[0] if archs else model_type
         raise UnsupportedModelError(
-            f"unsupported architecture {name!r} (model_type {model_type!r}); "
-            f"supported: {', '.join(SUPPORTED.values())}"
+            f"unsupported architecture {name!r} (model_type {model_type!r}) on the native "
+            f"path; it serves {', '.join(SUPPORTED.values())} (--model-impl transformers or "
+            "auto runs transformers' own code for other causal LMs)"
         )
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(str(model_dir))
-    except (AttributeError, TypeError, KeyError, ValueError) as e:
-        import transformers
-
-        raise UnsupportedModelError(
-            f"{model_dir.name}: config.json could not be read by transformers "
-            f"{transformers.__version__}: {type(e).__name__}: {e}"
-        ) from e
+    cfg = _read_config(model_dir)
     why = _refusal(cfg, model_type)
     if why is not None:
-        raise UnsupportedModelError(f"{model_dir.name}: {why}")
+        raise UnsupportedModelError(
+            f"{model_dir.name}: {why} on the native path (--model-impl transformers runs "
+            "transformers' own code for it)"
+        )
     max_len = int(cfg.max_position_embeddings)
     for field, cap in _length_caps(cfg, model_type).items():
         if cap < max_len:
@@ -281,9 +300,45 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         rms_norm_eps=cfg.rms_norm_eps,
         max_model_len=max_len,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         hf_config=cfg,
+        **_experts(cfg, model_type),
     )
+
+
+def _read_config(model_dir: Path) -> Any:
+    """``config.json`` through transformers' ``AutoConfig`` (its defaults and legacy fields
+    standardized); UnsupportedModelError where transformers cannot read it."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (AttributeError, TypeError, KeyError, ValueError) as e:
+        import transformers
+
+        raise UnsupportedModelError(
+            f"{model_dir.name}: config.json could not be read by transformers "
+            f"{transformers.__version__}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE config (none for a dense model): a layer is
+    sparse unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` beat, as
+    transformers builds it."""
+    if model_type != "qwen3_moe" or not cfg.num_experts:
+        return {}
+    only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(cfg.decoder_sparse_step)
+    return {
+        "experts": int(cfg.num_experts),
+        "experts_per_token": int(cfg.num_experts_per_tok),
+        "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "expert_size": int(cfg.moe_intermediate_size),
+        "moe_layers": tuple(
+            i for i in range(cfg.num_hidden_layers) if i not in only and (i + 1) % step == 0
+        ),
+    }
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -151,6 +151,8 @@ def make_model(
     template: str = "chatml",
 ) -> Path:
     """Write a random-weight ``arch`` model of ``size`` plus tokenizer into ``out``; return the path.
+    ``arch``: one of the native four (:data:`ARCHS`), or at the tiny size a family of
+    gpu.model.families (served by the transformers path).
 
     ``config_overrides``: config keyword arguments applied last, over the size's and the
     architecture's defaults (e.g. ``{"rope_parameters": {...}}``, ``{"attention_bias": True}``);
@@ -159,8 +161,12 @@ def make_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    from gpu.model.families import FAMILIES
+
+    if arch not in ARCHS and arch not in FAMILIES:
+        raise ValueError(f"arch must be one of {[*ARCHS, *FAMILIES]}, got {arch!r}")
+    if arch in FAMILIES and size != "tiny":
+        raise ValueError(f"the {arch} family is defined at the tiny size only")
     if size in _BENCH_SIZES and arch != "qwen2":
         raise ValueError(f"the {size} size is defined for qwen2 only")
     out = Path(out)
@@ -182,7 +188,7 @@ def make_model(
         extra["use_sliding_window"] = False
     if size == "tiny":
         dims["tie_word_embeddings"] = arch in ("qwen2", "qwen3")
-    kwargs = {**dims, **extra, **(config_overrides or {})}
+    kwargs = {**dims, **extra, **FAMILIES.get(arch, {}), **(config_overrides or {})}
     config = AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

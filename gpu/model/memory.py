@@ -79,8 +79,10 @@ def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     """Bytes of ``spec``'s parameters in ``dtype`` (norms left out)."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size
+    sparse = len(spec.moe_layers)  # a sparse layer holds its router and experts instead
+    moe = spec.experts * (h + 3 * h * spec.expert_size) - 3 * h * spec.intermediate_size
     heads = 1 if spec.tie_word_embeddings else 2
-    params = spec.num_layers * per_layer + heads * spec.vocab_size * h
+    params = spec.num_layers * per_layer + sparse * moe + heads * spec.vocab_size * h
     return params * _elem(dtype)
 
 

@@ -122,12 +122,17 @@ def convert_gguf(path: Path, say, out: Path | None = None) -> Path:
     if is_converted(out):
         return out
     arch = gguf_architecture(path)
-    from gpu.model.loader import SUPPORTED, UnsupportedModelError
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if arch not in SUPPORTED:
+    from gpu.model.loader import UnsupportedModelError
+
+    # what transformers' GGUF reader maps (besides its key groups); the model path that serves
+    # the converted directory is decided as for any directory (gpu.model.loader.load_spec)
+    readable = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
+    if arch not in readable:
         raise UnsupportedModelError(
-            f"--model {path}: general.architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED)}"
+            f"--model {path}: general.architecture {arch!r} is not supported; transformers' "
+            f"GGUF reader maps {', '.join(readable)}"
         )
     say(f"converting {path} to {out} (once; later starts read the directory)")
     import torch

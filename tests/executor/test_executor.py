@@ -286,7 +286,7 @@ def test_block_budget_and_unsupported_arch(tiny_model, tmp_path):
     cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*Qwen3ForCausalLM"):
-        ModelRunner(tmp_path)
+        ModelRunner(tmp_path, model_impl="native")
 
 
 def test_pool_size_has_one_default(tiny_model, monkeypatch):
