@@ -25,6 +25,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {**_MOE, "num_local_experts": 4, "sliding_window": None},
     "olmoe": {**_MOE, "num_experts": 4},
     "granitemoe": {**_MOE, "num_local_experts": 4, "logits_scaling": 2.0},
+    "qwen2_moe": {  # routed experts beside a gated shared expert
+        **_MOE,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
     # alternating sliding windows, logit soft-capping on attention and on the head
     "gemma2": {
         "head_dim": 16,
@@ -45,6 +51,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": {"partial_rotary_factor": 0.5},
     "stablelm": {"partial_rotary_factor": 0.25, "use_qkv_bias": True},
     "gpt_neox": {"rotary_pct": 0.25, "num_key_value_heads": None},  # no grouped KV heads
+    "phi": {"partial_rotary_factor": 0.5},
+    "glm": {"head_dim": 16, "partial_rotary_factor": 0.5},
+    # one K/V head shared by every query head (multi-query), named by no config field
+    "falcon": {"multi_query": True},
     # multipliers on the embedding, residual, attention and logits
     "granite": {
         "embedding_multiplier": 2.0,
@@ -55,5 +65,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "cohere": {"logit_scale": 0.5},
     "olmo2": {},
     "starcoder2": {"sliding_window": WINDOW, "use_bias": True},
+    "exaone4": {"sliding_window": WINDOW, "head_dim": 16},
+    "nemotron": {"head_dim": 16},  # squared-ReLU MLP, LayerNorm1P
     "smollm3": {},
 }

@@ -110,6 +110,11 @@ def attention(
         raise UnsupportedModelError(
             f"{type(module).__name__} attends bidirectionally (causal attention only)"
         )
+    if attention_mask is not None:  # built by the model itself (ALiBi, prefix-LM, ...): unread
+        raise UnsupportedModelError(
+            f"{type(module).__name__} is given a mask of its model's own making, which the "
+            "minirt attention function does not read (it masks from the step's positions)"
+        )
     unknown = {k for k, v in kwargs.items() if v is not None and k not in _IGNORED}
     if unknown:  # e.g. attention sinks (s_aux): maths this function does not do
         raise UnsupportedModelError(

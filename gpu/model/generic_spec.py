@@ -36,6 +36,12 @@ def refusal(cfg: Any, raw: dict[str, Any]) -> str | None:
             f"{cls.__name__} computes attention in its own code, not through transformers' "
             "attention interface"
         )
+    shape = attention_shape(cfg, raw)
+    if shape is not None and shape[2] != shape[3]:
+        return (
+            f"{cls.__name__} attends with keys of {shape[2]} and values of {shape[3]} dims "
+            "(multi-head latent attention): the paged cache holds one head size"
+        )
     for kind in getattr(cfg, "layer_types", None) or []:
         if kind not in LAYER_TYPES:
             return f"layer_types entry {kind!r} is not supported (only {', '.join(LAYER_TYPES)})"
@@ -63,17 +69,66 @@ def _ffn_size(cfg: Any) -> int:
     return width
 
 
+class _Seen(Exception):
+    """The first attention call's shapes: query heads, K/V heads, key and value head sizes."""
+
+
+def _probe(module: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+    raise _Seen(int(query.shape[1]), int(key.shape[1]), int(key.shape[-1]), int(value.shape[-1]))
+
+
+_SHAPES: dict[str, tuple[int, ...] | None] = {}
+
+
+def attention_shape(cfg: Any, raw: dict[str, Any]) -> tuple[int, ...] | None:
+    """(heads, K/V heads, key size, value size) of the model's first attention call, from a
+    one-token forward of the model built on torch's meta device (no memory, no weights): what
+    the paged cache must hold, whatever the config calls it (GPT-2 and Falcon name their K/V
+    heads otherwise, or not at all). None where the model cannot run there."""
+    import copy
+    import json
+
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    key = json.dumps(raw, sort_keys=True, default=str)
+    if key in _SHAPES:
+        return _SHAPES[key]
+    AttentionInterface.register("minirt_probe", _probe)
+    shape: tuple[int, ...] | None = None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(cfg), attn_implementation="minirt_probe"
+            )
+            ids = torch.zeros(1, 1, dtype=torch.long)
+            getattr(model, model.base_model_prefix)(
+                input_ids=ids, position_ids=ids, use_cache=False
+            )
+    except _Seen as seen:
+        shape = tuple(seen.args)
+    except Exception:  # an op the meta device lacks: the config's own fields instead
+        shape = None
+    _SHAPES[key] = shape
+    return shape
+
+
 def fields(cfg: Any, raw: dict[str, Any]) -> dict[str, Any]:
     """The shapes gpu.model.loader.ModelSpec holds, for a config :func:`refusal` passed."""
     heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    shape = attention_shape(cfg, raw)
+    if shape is not None:
+        heads, kv_heads, head_dim, _ = shape
     return {
         "arch": str(raw["model_type"]),
         "vocab_size": int(cfg.vocab_size),
         "hidden_size": int(cfg.hidden_size),
         "num_layers": int(cfg.num_hidden_layers),
         "num_heads": heads,
-        "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
         "intermediate_size": _ffn_size(cfg),
         "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
         "max_model_len": int(getattr(cfg, "max_position_embeddings", None) or 2048),

@@ -91,6 +91,13 @@ def test_native_family_through_transformers_matches_too(tiny_models):
     _exact(tiny_models["qwen3"], ex, seed=1)
 
 
+def test_kv_heads_are_what_attention_gets(families):
+    """Falcon's multi-query attention has one K/V head whatever its config's head counts say:
+    the spec (so the pool's bytes per block) takes it from a forward on the meta device."""
+    spec = load_spec(families["falcon"])
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 1, 16)
+
+
 def test_windows_and_soft_caps_are_what_the_layers_ask(families):
     """gemma2's layers: the first attends within the window, with a soft-cap; both soft-cap. The
     attention function honours both (an attention ignoring either diverges within 16 tokens on
