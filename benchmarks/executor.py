@@ -73,6 +73,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=3, help="with --against: paired rounds")
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="with --against/--against-impl: the paired rounds sample at this temperature "
+        "(0: greedy, the same tokens on both sides)",
+    )
+    p.add_argument(
         "--sampling-cost",
         type=int,
         default=0,
@@ -274,15 +281,18 @@ def sampling_cost(
     }
 
 
-def paired_rounds(ex, other, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
+def paired_rounds(
+    ex, other, prompts: list[list[int]], new_tokens: int, rounds: int, temperature: float = 0.0
+) -> dict:
     """``--against``: ``rounds`` rounds of the prompts through ``ex`` then ``other`` (both
     warmed), each round's tok/s and ratio, and the median ratio. One run on these shared machines
     moves 10-30% minutes apart; a ratio of runs seconds apart, its median over rounds, is what
     says how the two compare."""
     per = []
+    sampling = {"temperature": temperature} if temperature else None
     for _ in range(max(1, rounds)):
-        ours, _, _ = run_ours(ex, prompts, new_tokens)
-        theirs, outs, _ = run_ours(other, prompts, new_tokens)
+        ours, _, _ = run_ours(ex, prompts, new_tokens, sampling)
+        theirs, outs, _ = run_ours(other, prompts, new_tokens, sampling)
         n = sum(len(o) for o in outs)
         per.append({"tok_s": n / ours, "against_tok_s": n / theirs, "ratio": theirs / ours})
     return {"rounds": per, "median_ratio": statistics.median(r["ratio"] for r in per)}
@@ -392,7 +402,8 @@ def main(argv: list[str]) -> int:
         res["against"] = {
             "dtype": a.against or a.dtype,
             "model_impl": a.against_impl or "auto",
-            **paired_rounds(ex, other, prompts, a.new_tokens, a.rounds),
+            "temperature": a.temperature,
+            **paired_rounds(ex, other, prompts, a.new_tokens, a.rounds, a.temperature),
         }
         del other
         for k, r in enumerate(res["against"]["rounds"], 1):

@@ -23,11 +23,9 @@ import torch
 from actors.shared.grammar import Compiled
 from gpu.logits_processors import LogitsProcessors
 from gpu.lora.slots import LoraSlots
-from gpu.model import cpu_tuning, loader
+from gpu.model import cpu_tuning, loader, paths
 from gpu.model.attention import build_metadata
-from gpu.model.generic import TransformersModel
 from gpu.model.kv_cache import PagedKVCache, loaded_pool
-from gpu.model.llama import LlamaFamilyModel
 from gpu.model.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from gpu.pooling import pool
 from gpu.request_table import RequestTable
@@ -130,21 +128,9 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         # the KV cache and the weights as loaded: the attention's (loader.attention_dtype)
         self.kv_dtype = loader.attention_dtype(self.dtype, self.device)
-        self.model: LlamaFamilyModel | TransformersModel
-        if spec.impl == "transformers":
-            if max_loras > 0:
-                raise ValueError("--enable-lora is served on the native model path only")
-            # transformers' own code, in one dtype throughout (the KV cache's)
-            self.model = TransformersModel(spec, model_dir, self.kv_dtype, self.device)
-        else:
-            # read on the host and handed over whole: the model fuses each layer's tensors
-            # there and moves the fused ones to the device once (no second copy on the card)
-            weights = loader.load_weights(
-                model_dir, self.kv_dtype, loader.HOST, spec.tie_word_embeddings
-            )
-            if max_loras > 0 and spec.experts:
-                raise ValueError("--enable-lora is not supported with mixture-of-experts models")
-            self.model = LlamaFamilyModel(spec, weights, self.device, self.dtype)
+        self.model = paths.build(
+            spec, model_dir, self.dtype, self.kv_dtype, self.device, lora=max_loras > 0
+        )
         self.model.warm_up()
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = loader.eos_token_ids(model_dir, spec)

@@ -6,11 +6,31 @@ the rows weighted, in expert order, as transformers adds them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gpu.model.linear import Linear
+
+
+def config_fields(cfg: Any) -> dict[str, Any]:
+    """gpu.model.loader.ModelSpec's expert fields from a Qwen3-MoE config (none for a dense
+    one): a layer is sparse unless listed in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step`` beat, as transformers builds it."""
+    if not cfg.num_experts:
+        return {}
+    only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(cfg.decoder_sparse_step)
+    return {
+        "experts": int(cfg.num_experts),
+        "experts_per_token": int(cfg.num_experts_per_tok),
+        "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "expert_size": int(cfg.moe_intermediate_size),
+        "moe_layers": tuple(
+            i for i in range(cfg.num_hidden_layers) if i not in only and (i + 1) % step == 0
+        ),
+    }
 
 
 class Experts:

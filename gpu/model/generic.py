@@ -24,7 +24,7 @@ import torch
 from gpu.model import paged_kernel
 from gpu.model.attention import AttentionMetadata, paged_attention
 from gpu.model.kv_cache import PagedKVCache
-from gpu.model.linear import Linear, packing_enabled
+from gpu.model.linear import Linear, packing_enabled, warm_up_shapes
 from gpu.model.loader import ModelSpec, UnsupportedModelError
 
 NAME = "minirt"
@@ -254,12 +254,7 @@ class TransformersModel:
         (one per distinct shape) now, so the first step does not."""
         if self.device.type == "cpu":
             paged_kernel.kernel()
-        seen = set()
-        for lin in self.linears:
-            key = (lin.in_features, lin.out_features, lin.bias is not None)
-            if key not in seen:
-                seen.add(key)
-                lin.warm_up()
+        warm_up_shapes(self.linears)
 
     @torch.inference_mode()
     def trunk(

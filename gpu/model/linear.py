@@ -35,6 +35,7 @@ without the ops, a failed self-check, or ``MINIRT_PACKED_LINEAR=0`` all use plai
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +161,16 @@ class Linear:
             x = torch.cat([x, x.new_zeros(b - m, x.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out if b == m else out[:m]
+
+
+def warm_up_shapes(linears: Iterable[Linear]) -> None:
+    """:meth:`Linear.warm_up` once per distinct shape (kernels are cached by shape)."""
+    seen = set()
+    for lin in linears:
+        key = (lin.in_features, lin.out_features, lin.bias is not None)
+        if key not in seen:
+            seen.add(key)
+            lin.warm_up()
 
 
 def _pack_checked(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ from gpu.model import cpu_ops, paged_kernel
 from gpu.model.attention import AttentionMetadata, paged_attention
 from gpu.model.experts import Experts
 from gpu.model.kv_cache import PagedKVCache
-from gpu.model.linear import TILE_ROWS, Linear, mkl_gemv_fast, packing_enabled
+from gpu.model.linear import TILE_ROWS, Linear, mkl_gemv_fast, packing_enabled, warm_up_shapes
 from gpu.model.loader import ModelSpec
 
 if TYPE_CHECKING:
@@ -254,12 +254,7 @@ class LlamaFamilyModel:
         builds (or loads) the paged decode-attention kernel, so the first step does not."""
         if self.embed.device.type == "cpu":
             paged_kernel.kernel()
-        seen = set()
-        for lin in [self.lm_head] + [x for ly in self.layers for x in ly.linears()]:
-            key = (lin.in_features, lin.out_features, lin.bias is not None)
-            if key not in seen:
-                seen.add(key)
-                lin.warm_up()
+        warm_up_shapes([self.lm_head] + [x for ly in self.layers for x in ly.linears()])
 
     def forward(
         self,

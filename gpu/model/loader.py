@@ -287,6 +287,8 @@ def load_spec(model_dir: str | Path, model_impl: str = "auto") -> ModelSpec:
                 cap,
             )
             max_len = cap
+    from gpu.model.experts import config_fields
+
     heads = cfg.num_attention_heads
     return ModelSpec(
         arch=model_type,
@@ -302,7 +304,7 @@ def load_spec(model_dir: str | Path, model_impl: str = "auto") -> ModelSpec:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         hf_config=cfg,
-        **_experts(cfg, model_type),
+        **(config_fields(cfg) if model_type == "qwen3_moe" else {}),
     )
 
 
@@ -320,25 +322,6 @@ def _read_config(model_dir: Path) -> Any:
             f"{model_dir.name}: config.json could not be read by transformers "
             f"{transformers.__version__}: {type(e).__name__}: {e}"
         ) from e
-
-
-def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE config (none for a dense model): a layer is
-    sparse unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` beat, as
-    transformers builds it."""
-    if model_type != "qwen3_moe" or not cfg.num_experts:
-        return {}
-    only = set(getattr(cfg, "mlp_only_layers", None) or [])
-    step = int(cfg.decoder_sparse_step)
-    return {
-        "experts": int(cfg.num_experts),
-        "experts_per_token": int(cfg.num_experts_per_tok),
-        "norm_topk_prob": bool(cfg.norm_topk_prob),
-        "expert_size": int(cfg.moe_intermediate_size),
-        "moe_layers": tuple(
-            i for i in range(cfg.num_hidden_layers) if i not in only and (i + 1) % step == 0
-        ),
-    }
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
