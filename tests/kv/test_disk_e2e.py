@@ -315,3 +315,23 @@ async def test_the_tier_never_holds_more_than_its_bound_while_it_writes(tiny_mod
         evicted = rt.events("kv.disk_evicted")
     assert evicted and len(samples) > 100
     assert max(samples) <= bound + per_file, (max(samples), bound, per_file)
+
+
+async def test_the_transformers_path_loads_from_disk_exactly(tmp_path):
+    """A model served by transformers' own code (StarCoder 2: a sliding window shorter than the
+    prompts) writes its blocks and finds them again after a restart, answers unchanged."""
+    from gpu.model.make_model import make_model
+
+    model = make_model("starcoder2", "tiny", tmp_path / "starcoder2")
+    disk = tmp_path / "disk"
+    flags = ("--num-blocks", "64", "--kv-disk-dir", str(disk), "--dtype", "float32")
+    prompts = _prompts(3, seed=4)
+    expected = hf_greedy(model, prompts, MAX_NEW)
+    await _fill(model, tmp_path / "run1", flags, prompts)
+    with start_runtime(model, tmp_path / "run2", *flags) as rt:
+        warm = await _serve(rt, prompts)
+        s = await _settled(rt)
+        (config,) = rt.events("executor.config")
+    assert config["model_impl"] == "transformers"
+    assert [r.token_ids for r in warm] == expected
+    assert s.disk_hit_tokens == sum(_full_blocks(p) for p in prompts)
