@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,6 +23,7 @@ import torch
 
 from gpu.model import paged_kernel
 from gpu.model.attention import AttentionMetadata, paged_attention
+from gpu.model.base import Model
 from gpu.model.kv_cache import PagedKVCache
 from gpu.model.linear import Linear, packing_enabled, warm_up_shapes
 from gpu.model.loader import ModelSpec, UnsupportedModelError
@@ -43,51 +44,81 @@ class _Step:
     cache: PagedKVCache
     longest: int  # the longest context a row of the step attends to
     seen: list[int]  # layer indices attended, in order (the start's check)
+    context: dict[int | None, list[Gather]] = field(default_factory=dict)  # by window
+
+    def gathers(self, window: int | None, device: torch.device) -> list[Gather]:
+        if window not in self.context:
+            self.context[window] = gathers(self.meta.segments, self.cache, window, device)
+        return self.context[window]
 
 
 _STEP: contextvars.ContextVar[_Step] = contextvars.ContextVar("minirt_step")
+
+
+@dataclass
+class Gather:
+    """One segment's context for one window: the flat cache rows of its keys (every K/V head)
+    and the mask of which keys each of its queries sees."""
+
+    row: int
+    length: int
+    idx: torch.Tensor  # [kv_heads * n] rows of cache.flat_k[layer]
+    keep: torch.Tensor  # [length, n] bool
+
+
+def gathers(
+    segments: list[tuple[int, int, int, list[int]]],
+    cache: PagedKVCache,
+    window: int | None,
+    device: torch.device,
+) -> list[Gather]:
+    """Each segment's :class:`Gather`: keys from ``max(0, start - window + 1)`` (0 without a
+    window) up to its last query, kept causally and within the window (a query at i sees keys j
+    with i - j < window). The same for every layer of a window: built once per step."""
+    bs = cache.block_size
+    head_rows = torch.arange(cache.num_kv_heads)[:, None] * cache.num_slots
+    out = []
+    for row, start, length, table in segments:
+        end = start + length
+        pos = torch.arange(0 if window is None else max(0, start - window + 1), end)
+        slots = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+        qpos = torch.arange(start, end)[:, None]
+        keep = pos[None, :] <= qpos
+        if window is not None:
+            keep &= qpos - pos[None, :] < window
+        idx = (head_rows + slots[None, :]).reshape(-1)
+        out.append(Gather(row, length, idx.to(device), keep.to(device)))
+    return out
 
 
 def masked(
     q: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
-    segments: list[tuple[int, int, int, list[int]]],
+    context: list[Gather],
     scale: float,
-    window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Attention of ``q`` (``[T, heads, d]``) over each segment's cached context, as transformers'
-    eager attention computes it: scores scaled, soft-capped (``tanh(s / cap) * cap``), masked
-    causally and to the last ``window`` positions (a query at i sees keys j with i - j <
-    window), softmax in float32. Returns ``[T, heads, d]``."""
+    """Attention of ``q`` (``[T, heads, d]``) over each segment's cached ``context``, as
+    transformers' eager attention computes it: scores scaled, soft-capped (``tanh(s / cap) *
+    cap``), masked (:func:`gathers`), softmax in float32. Returns ``[T, heads, d]``."""
     t, heads, d = q.shape
-    kvh, bs = cache.num_kv_heads, cache.block_size
+    kvh = cache.num_kv_heads
     group = heads // kvh
     kc, vc = cache.flat_k[layer], cache.flat_v[layer]
-    head_rows = torch.arange(kvh, device=q.device)[:, None] * cache.num_slots
     out = q.new_empty(t, heads, d)
-    for row, start, length, table in segments:
-        end = start + length
-        lo = 0 if window is None else max(0, start - window + 1)
-        pos = torch.arange(lo, end)
-        slots = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
-        idx = (head_rows + slots.to(q.device)[None, :]).reshape(-1)
-        n = end - lo
-        k = kc.index_select(0, idx).view(kvh, 1, n, d)
-        v = vc.index_select(0, idx).view(kvh, 1, n, d)
-        qs = q[row : row + length].view(length, kvh, group, d).permute(1, 2, 0, 3)
+    for g in context:
+        n = g.keep.shape[1]
+        k = kc.index_select(0, g.idx).view(kvh, 1, n, d)
+        v = vc.index_select(0, g.idx).view(kvh, 1, n, d)
+        rows = slice(g.row, g.row + g.length)
+        qs = q[rows].view(g.length, kvh, group, d).permute(1, 2, 0, 3)
         s = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [kvh, group, length, n]
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        qpos = torch.arange(start, end)[:, None]
-        keep = pos[None, :] <= qpos
-        if window is not None:
-            keep &= qpos - pos[None, :] < window
-        s = s.masked_fill(~keep.to(q.device), float("-inf"))
+        s = s.masked_fill(~g.keep, float("-inf"))
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, v)  # [kvh, group, length, d]
-        out[row : row + length] = o.permute(2, 0, 1, 3).reshape(length, heads, d)
+        out[rows] = torch.matmul(p, v).permute(2, 0, 1, 3).reshape(g.length, heads, d)
     return out
 
 
@@ -139,7 +170,7 @@ def attention(
         out = paged_attention(q, k, v, cache, layer, step.meta, scale)
     else:
         cache.write(layer, step.meta.slot_mapping, k, v)
-        out = masked(q, cache, layer, step.meta.segments, scale, window, softcap)
+        out = masked(q, cache, layer, step.gathers(window, q.device), scale, softcap)
     return out.view(1, t, heads, d), None
 
 
@@ -195,7 +226,7 @@ def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     return out
 
 
-class TransformersModel:
+class TransformersModel(Model):
     """A causal LM run by transformers' modeling code over the paged cache, with the native
     model's interface (``trunk``, ``logits``, ``hidden``, ``forward``, ``warm_up``)."""
 
@@ -294,14 +325,3 @@ class TransformersModel:
     def hidden(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The final hidden states of ``rows`` in float32: what embeddings pool."""
         return x[rows].float()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-        logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """``logits`` of ``logit_rows`` after ``trunk``."""
-        return self.logits(self.trunk(input_ids, positions, meta, cache), logit_rows)

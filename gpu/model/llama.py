@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from gpu.model import cpu_ops, paged_kernel
 from gpu.model.attention import AttentionMetadata, paged_attention
+from gpu.model.base import Model
 from gpu.model.experts import Experts
 from gpu.model.kv_cache import PagedKVCache
 from gpu.model.linear import TILE_ROWS, Linear, mkl_gemv_fast, packing_enabled, warm_up_shapes
@@ -138,7 +139,7 @@ class _Layer:
         return [self.qkv, self.o, *mlp]
 
 
-class LlamaFamilyModel:
+class LlamaFamilyModel(Model):
     """Weights plus a functional forward; holds no per-request state."""
 
     def __init__(
@@ -255,20 +256,6 @@ class LlamaFamilyModel:
         if self.embed.device.type == "cpu":
             paged_kernel.kernel()
         warm_up_shapes([self.lm_head] + [x for ly in self.layers for x in ly.linears()])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-        logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run ``[T]`` tokens at ``positions``; write their K/V into ``cache``.
-
-        Returns float32 logits ``[len(logit_rows), vocab]`` for the rows in ``logit_rows`` only.
-        """
-        return self.logits(self.trunk(input_ids, positions, meta, cache), logit_rows)
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

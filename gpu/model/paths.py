@@ -8,11 +8,10 @@ from pathlib import Path
 import torch
 
 from gpu.model import loader
+from gpu.model.base import Model
 from gpu.model.generic import TransformersModel
 from gpu.model.llama import LlamaFamilyModel
 from gpu.model.loader import ModelSpec
-
-Model = LlamaFamilyModel | TransformersModel
 
 
 def build(
